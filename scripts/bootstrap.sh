@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh Debian 12 / Ubuntu 22.04+ machine, run as root.
+# Installs: Debian packages (bcc, iproute2, iperf3, venv), kernel headers for the
+# running kernel or the documented fallback (docs/operations.md), bpffs, and the
+# virtualenv at .venv (sees Debian's bcc) with mmmesh installed in it.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+log() { printf '[bootstrap] %s\n' "$*" >&2; }
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "bootstrap: must run as root (BPF, qdiscs and namespaces need it)" >&2
+  exit 1
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+PKGS=(python3-bpfcc python3-venv python3-dev iproute2 iperf3 libbpf1 ca-certificates)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+APT_UPDATED=0
+apt_install() {
+  if [ "$APT_UPDATED" = 0 ]; then apt-get update -qq; APT_UPDATED=1; fi
+  apt-get install -y -qq --no-install-recommends "$@"
+}
+if [ "${#missing[@]}" -gt 0 ]; then
+  log "installing Debian packages: ${missing[*]}"
+  apt_install "${missing[@]}" >/dev/null
+fi
+
+# --- kernel headers -------------------------------------------------------
+# bcc compiles at load time against /lib/modules/$(uname -r)/build. Never
+# replace an existing build link: real nodes have their own headers.
+KVER="$(uname -r)"
+KDIR="/lib/modules/$KVER"
+if [ ! -e "$KDIR/build" ]; then
+  if apt_install "linux-headers-$KVER" >/dev/null 2>&1 && [ -e "$KDIR/build" ]; then
+    log "installed linux-headers-$KVER"
+  else
+    # Documented fallback (docs/operations.md): TC, sockops and sk_msg programs
+    # only use stable UAPI structs, so the distribution's current header
+    # package works for a kernel that has no package of its own.
+    FLAVOUR=cloud-amd64
+    if ! apt-cache show "linux-headers-$FLAVOUR" >/dev/null 2>&1; then FLAVOUR=amd64; fi
+    if grep -qi ubuntu /etc/os-release; then FLAVOUR=generic; fi
+    log "no headers for $KVER; using fallback linux-headers-$FLAVOUR"
+    apt_install "linux-headers-$FLAVOUR" >/dev/null
+    HDR="$(ls -d /usr/src/linux-headers-*-"$FLAVOUR" 2>/dev/null | sort -V | tail -1)"
+    if [ -z "$HDR" ]; then
+      HDR="$(ls -d /usr/src/linux-headers-*-generic 2>/dev/null | sort -V | tail -1)"
+    fi
+    [ -n "$HDR" ] || { echo "bootstrap: no kernel headers found under /usr/src" >&2; exit 1; }
+    COMMON="${HDR%-*-*}-common"
+    [ -d "$COMMON" ] || COMMON="${HDR%-*}"
+    mkdir -p "$KDIR"
+    ln -s "$HDR" "$KDIR/build"
+    [ -e "$KDIR/source" ] || ln -s "$COMMON" "$KDIR/source"
+    log "linked $KDIR/build -> $HDR"
+  fi
+fi
+
+# --- bpffs -----------------------------------------------------------------
+if ! mount | grep -q " /sys/fs/bpf type bpf "; then
+  mkdir -p /sys/fs/bpf
+  mount -t bpf bpf /sys/fs/bpf
+  log "mounted bpffs at /sys/fs/bpf"
+fi
+
+# --- virtualenv ------------------------------------------------------------
+# bcc is not on PyPI; the venv must be made by Debian's python3 with
+# --system-site-packages so that `import bcc` works.
+VENV="$ROOT/.venv"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import bcc" >/dev/null 2>&1; then
+  rm -rf "$VENV"
+  log "creating $VENV"
+  /usr/bin/python3 -m venv --system-site-packages "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+STAMP="$VENV/.mmmesh-installed"
+WANT="$(cat pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  log "installing mmmesh and its dependencies into $VENV"
+  "$VENV/bin/python" -m pip install -q -e ".[test,demo]"
+  echo "$WANT" > "$STAMP"
+fi
+log "ready"

@@ -1,0 +1,10 @@
+#!/usr/bin/env python3
+"""Regenerate bpf/include/mm_abi.h from mmmesh/_abi.py."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mmmesh import _abigen  # noqa: E402
+
+_abigen.write()
+print(f"wrote {_abigen.HEADER_PATH}")
