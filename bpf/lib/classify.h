@@ -1,0 +1,210 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Policy lookup: header -> class id, source-rule clamp, flow table, priority,
+ * DSCP, counters.  The pure-Python reference of the same semantics is
+ * mmmesh.policy.classify_reference(); tests compare the two. */
+#ifndef MM_CLASSIFY_H
+#define MM_CLASSIFY_H
+
+#include "compat.h"
+#include "maps.h"
+#include "parse.h"
+#include "mmh.h"
+
+/* Header -> class id before clamping: a requested class that exists wins,
+ * then the modality's metadata rules in order, then its fallback class, then
+ * the policy's default class. */
+static __always_inline __u32 mm_pick_class(const struct mm_hdr *h, const struct mm_tlv_out *tv,
+					   const struct mm_config *cfg)
+{
+	struct mm_modality_info *mi;
+	__u32 key;
+	int i;
+
+	if (h->sla_class && h->sla_class < MM_MAX_CLASSES) {
+		struct mm_class_info *ci;
+
+		key = h->sla_class;
+		ci = class_map.lookup(&key);
+		if (ci && ci->valid)
+			return key;
+	}
+	key = h->modality;
+	mi = modality_map.lookup(&key);
+	if (mi && mi->valid) {
+#pragma unroll
+		for (i = 0; i < MM_MAX_RULES; i++) {
+			const struct mm_rule *r = &mi->rules[i];
+			__u32 v;
+
+			if (i >= mi->nrules)
+				break;
+			if (r->meta == MM_META_FPS && (tv->have & MM_HAVE_FPS))
+				v = tv->fps;
+			else if (r->meta == MM_META_BITRATE && (tv->have & MM_HAVE_BITRATE))
+				v = tv->bitrate;
+			else if (r->meta == MM_META_DENSITY && (tv->have & MM_HAVE_DENSITY))
+				v = tv->density;
+			else
+				continue;
+			if (v >= r->min && v <= r->max)
+				return r->class_id;
+		}
+		if (mi->default_class)
+			return mi->default_class;
+	}
+	return cfg->default_class;
+}
+
+/* Lowers a claim above what the source prefix may claim (longest prefix
+ * match on the source address).  The LPM lookup only runs when some source
+ * rule could clamp a class of this rank. */
+static __always_inline __u32 mm_clamp(const struct mm_pkt *p, const struct mm_config *cfg,
+				      __u32 cid, __u8 *flags)
+{
+	struct mm_class_info *ci;
+	struct mm_src_info *si;
+	struct mm_src_key k = {};
+
+	if (!(cfg->flags & MM_CFG_HAS_SRC_RULES))
+		return cid;
+	cid &= MM_MAX_CLASSES - 1;
+	ci = class_map.lookup(&cid);
+	if (!ci || !ci->valid || ci->rank >= cfg->clamp_below_rank)
+		return cid;
+	k.prefixlen = 128;
+	__builtin_memcpy(k.addr, p->key.saddr, 16);
+	si = src_map.lookup(&k);
+	if (si && ci->rank < si->max_rank) {
+		*flags |= MM_CBF_CLAMPED;
+		return si->max_class;
+	}
+	return cid;
+}
+
+/* Rewrites the DSCP bits, keeping ECN; IPv4 header checksum fixed
+ * incrementally.  Invalidates packet pointers: call last. */
+static __always_inline int mm_set_dscp(struct __sk_buff *skb, const struct mm_pkt *p, __u8 dscp)
+{
+	__u8 want = (dscp << 2) | (p->tos & 0x3);
+
+	if (want == p->tos)
+		return 0;
+	if (p->l3 == 4) {
+		if (bpf_l3_csum_replace(skb, p->l3_off + offsetof(struct iphdr, check),
+					MM_HTONS(p->tos), MM_HTONS(want), 2) < 0)
+			return 0;
+		if (bpf_skb_store_bytes(skb, p->l3_off + 1, &want, 1, 0) < 0)
+			return 0;
+		return 1;
+	}
+	if (p->l3 == 6) {
+		__u8 b[2];
+
+		if (bpf_skb_load_bytes(skb, p->l3_off, b, 2) < 0)
+			return 0;
+		b[0] = (b[0] & 0xf0) | (want >> 4);
+		b[1] = (b[1] & 0x0f) | ((want & 0x0f) << 4);
+		if (bpf_skb_store_bytes(skb, p->l3_off, b, 2, 0) < 0)
+			return 0;
+		return 1;
+	}
+	return 0;
+}
+
+static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
+{
+	struct mm_pkt p = {};
+	struct mm_hdr h = {};
+	struct mm_tlv_out *tv = 0;
+	struct mm_config *cfg;
+	struct mm_class_info *ci;
+	struct mm_stats *st;
+	struct mm_flow_info *fl = 0;
+	__u32 zero = 0, reason = MM_R_NOT_MESH, cid, d = dir;
+	__u8 flags = 0, modality = MM_NO_MODALITY;
+	int hs = MM_HDR_NONE;
+
+	cfg = config_map.lookup(&zero);
+	st = stats_map.lookup(&d);
+	if (!cfg || !st)
+		return TC_ACT_OK;
+	cid = cfg->default_class;
+
+	mm_parse(skb, &p);
+	if (p.has_l4)
+		hs = mm_read_hdr(skb, &p, &h, &tv);
+
+	if (hs == MM_HDR_OK && tv) {
+		reason = MM_R_PARSED;
+		modality = h.modality;
+		cid = mm_pick_class(&h, tv, cfg);
+		cid = mm_clamp(&p, cfg, cid, &flags);
+		if (p.key.proto == MM_IPPROTO_TCP) {
+			fl = flow_map.lookup(&p.key);
+			if (!fl) {
+				struct mm_flow_info nf = {};
+
+				nf.last_seen_ns = bpf_ktime_get_ns();
+				nf.class_id = cid;
+				nf.modality = h.modality;
+				flow_map.update(&p.key, &nf);
+				fl = flow_map.lookup(&p.key);
+				flags |= MM_CBF_FLOW_LEARNT;
+				st->reason[MM_R_FLOW_NEW]++;
+			} else if (fl->class_id != cid || fl->modality != h.modality) {
+				fl->class_id = cid;
+				fl->modality = h.modality;
+				flags |= MM_CBF_FLOW_LEARNT;
+				st->reason[MM_R_FLOW_UPDATE]++;
+			}
+		}
+	} else if (hs == MM_HDR_BAD) {
+		reason = MM_R_MALFORMED;
+	} else if (p.has_l4 && p.key.proto == MM_IPPROTO_TCP) {
+		fl = flow_map.lookup(&p.key);
+		if (fl) {
+			reason = MM_R_FLOW_HIT;
+			cid = fl->class_id;
+			modality = fl->modality;
+		}
+	}
+	if (fl) {
+		fl->last_seen_ns = bpf_ktime_get_ns();
+		__sync_fetch_and_add(&fl->packets, 1);
+		__sync_fetch_and_add(&fl->bytes, skb->len);
+	}
+
+	cid &= MM_MAX_CLASSES - 1;
+	ci = class_map.lookup(&cid);
+	if (!ci || !ci->valid) {
+		/* A class removed by a newer policy: fall back to the default. */
+		cid = cfg->default_class & (MM_MAX_CLASSES - 1);
+		ci = class_map.lookup(&cid);
+	}
+	if (ci && ci->valid) {
+		skb->priority = ci->classid;
+		if (dir == MM_DIR_EGRESS && ci->dscp != MM_DSCP_KEEP && p.l3 &&
+		    mm_set_dscp(skb, &p, ci->dscp)) {
+			flags |= MM_CBF_DSCP;
+			st->reason[MM_R_DSCP_REWRITE]++;
+		}
+	} else {
+		cid = 0; /* no policy loaded: leave the packet alone */
+	}
+
+	if (flags & MM_CBF_CLAMPED)
+		st->reason[MM_R_CLAMPED]++;
+	st->reason[reason & (MM_NR_REASONS - 1)]++;
+	st->cls[cid].packets++;
+	st->cls[cid].bytes += skb->len;
+
+	/* Verdict metadata for BPF_PROG_TEST_RUN and debugging; cb[] at TC is
+	 * the qdisc_skb_cb data area that belongs to BPF. */
+	skb->cb[MM_CB_REASON] = reason;
+	skb->cb[MM_CB_CLASS] = cid;
+	skb->cb[MM_CB_MODALITY] = modality;
+	skb->cb[MM_CB_FLAGS] = flags;
+	return TC_ACT_OK;
+}
+
+#endif /* MM_CLASSIFY_H */

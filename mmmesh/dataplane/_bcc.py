@@ -1,0 +1,126 @@
+"""Compiling and loading the BPF programs: the only module that imports bcc.
+
+bcc's rewriter turns ``map.lookup(&k)`` into map-fd calls only in the file it
+is given, not in headers it includes, so the quoted ``#include "..."`` lines
+of ``bpf/mm_tc.c`` are inlined here before the text goes to bcc (system
+``<...>`` includes are left to clang).  See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .._abi import TUNABLES
+from .._errors import DataplaneError, NotSupportedError
+
+BPF_DIR = Path(__file__).resolve().parent.parent.parent / "bpf"
+MAIN_SOURCE = BPF_DIR / "mm_tc.c"
+PROGRAMS = ("mm_egress", "mm_ingress")
+MAPS = (
+    "config_map",
+    "class_map",
+    "modality_map",
+    "src_map",
+    "meta_map",
+    "flow_map",
+    "stats_map",
+    "scratch_map",
+)
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+
+
+def bpf_dir() -> Path:
+    """The bpf/ source tree (overridable with MMMESH_BPF_DIR)."""
+    return Path(os.environ.get("MMMESH_BPF_DIR", str(BPF_DIR)))
+
+
+def inline_source(path: Path, search: tuple[Path, ...] = (), _seen: set[Path] | None = None) -> str:
+    """Returns ``path`` with its quoted includes inlined, each file once."""
+    seen = set() if _seen is None else _seen
+    path = path.resolve()
+    seen.add(path)
+    dirs = (path.parent, *search)
+    out: list[str] = [f'#line 1 "{path}"']
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        m = _INCLUDE.match(line)
+        if not m:
+            out.append(line)
+            continue
+        for d in dirs:
+            cand = (d / m.group(1)).resolve()
+            if cand.is_file():
+                break
+        else:
+            raise DataplaneError(2, f"{path}:{n}: include {m.group(1)!r} not found")
+        if cand not in seen:
+            out.append(inline_source(cand, search, seen))
+            out.append(f'#line {n + 1} "{path}"')
+    return "\n".join(out)
+
+
+def cflags_for(tunables: dict[str, int] | None = None, extra: list[str] | None = None) -> list[str]:
+    vals = dict(TUNABLES)
+    vals.update(tunables or {})
+    flags = [f"-D{k}={int(v)}" for k, v in sorted(vals.items())]
+    flags.append("-Wno-unused-function")
+    return flags + list(extra or [])
+
+
+@dataclass
+class LoadedObject:
+    """Program and map fds of one freshly loaded copy (owned: close() them)."""
+
+    prog_fds: dict[str, int] = field(default_factory=dict)
+    map_fds: dict[str, int] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for fd in [*self.prog_fds.values(), *self.map_fds.values()]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.prog_fds.clear()
+        self.map_fds.clear()
+
+
+def compile_and_load(
+    tunables: dict[str, int] | None = None, extra_cflags: list[str] | None = None
+) -> LoadedObject:
+    """Compiles bpf/mm_tc.c with bcc, loads both TC programs into the kernel
+    and returns duplicated fds, so bcc's object (and its memory) can go."""
+    try:
+        import bcc  # noqa: PLC0415 - the one place bcc is imported
+    except ImportError as e:  # pragma: no cover - set-up problem
+        raise NotSupportedError(
+            "bcc is not importable: run scripts/bootstrap.sh (python3-bpfcc in a "
+            "--system-site-packages venv)"
+        ) from e
+    root = bpf_dir()
+    text = inline_source(root / "mm_tc.c", (root, root / "include"))
+    try:
+        b = bcc.BPF(text=text.encode(), cflags=cflags_for(tunables, extra_cflags))
+    except Exception as e:  # bcc raises bare Exception on compile errors
+        raise DataplaneError(22, f"BPF compile failed: {e}") from e
+    obj = LoadedObject()
+    try:
+        for name in PROGRAMS:
+            try:
+                fn = b.load_func(name.encode(), bcc.BPF.SCHED_CLS)
+            except Exception as e:
+                raise DataplaneError(22, f"BPF verifier rejected {name}: {e}") from e
+            obj.prog_fds[name] = os.dup(fn.fd)
+        for name in MAPS:
+            fd = bcc.libbcc.lib.bpf_table_fd(b.module, name.encode())
+            if fd < 0:
+                raise DataplaneError(2, f"map {name} missing from the compiled object")
+            obj.map_fds[name] = os.dup(fd)
+    except BaseException:
+        obj.close()
+        raise
+    finally:
+        b.cleanup()
+    return obj

@@ -1,0 +1,340 @@
+"""Everything that talks netlink (pyroute2), and nothing else does.
+
+Kernel objects mmmesh owns on a device:
+  * a clsact qdisc with one cls_bpf filter per direction (prio/handle
+    FILTER_PRIO/FILTER_HANDLE, direct-action) running the classifier;
+  * an HTB root ``1:`` with one parent class ``1:1`` at the link rate and one
+    leaf class ``1:<id>`` per policy class, each with a short leaf queue.
+Every call is idempotent (replace verbs) so a reconciler can re-apply.
+Also the helpers the demo and tests use to build netns testbeds.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from pyroute2 import IPRoute, netns
+from pyroute2.netlink.exceptions import NetlinkError
+
+from .._abi import HTB_MAJOR
+from .._errors import DataplaneError
+
+TC_H_CLSACT = 0xFFFFFFF1
+PARENT_INGRESS = 0xFFFFFFF2
+PARENT_EGRESS = 0xFFFFFFF3
+FILTER_PRIO = 0x4D4D  # "MM": our filter among others on the same hook
+FILTER_HANDLE = 0x4D4D
+HTB_ROOT = HTB_MAJOR << 16
+HTB_PARENT = HTB_ROOT | 1
+DIRECTIONS = {"egress": PARENT_EGRESS, "ingress": PARENT_INGRESS}
+# Root qdiscs a device has when nobody configured it: safe to replace.
+DEFAULT_ROOT_KINDS = {None, "noqueue", "pfifo_fast", "mq", "fq_codel", "fq", "pfifo"}
+
+
+@dataclass(frozen=True)
+class HtbClass:
+    classid: int  # 0x1XXXX
+    rate_bps: int  # guaranteed, bit/s
+    ceil_bps: int  # bit/s
+    prio: int  # 0..7
+    quantum: int  # bytes
+
+
+@dataclass(frozen=True)
+class HtbSpec:
+    link_bps: int
+    default_minor: int
+    leaves: tuple[HtbClass, ...]
+    leaf_limit: int = 100  # packets: short queues keep latency bounded
+
+
+def _bit(bps: int) -> str:
+    return f"{int(bps)}bit"
+
+
+def _err(e: NetlinkError, what: str) -> DataplaneError:
+    return DataplaneError(e.code, f"{what}: {e}")
+
+
+class Netlink:
+    """A netlink session in one network namespace (None = the current one)."""
+
+    def __init__(self, ns: str | None = None) -> None:
+        self.ns = ns
+        try:
+            self.ipr = IPRoute(netns=ns) if ns else IPRoute()
+        except (OSError, NetlinkError) as e:
+            raise DataplaneError(errno.ENOENT, f"netns {ns!r}: {e}") from e
+
+    def close(self) -> None:
+        self.ipr.close()
+
+    def __enter__(self) -> Netlink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- links
+    def ifindex(self, ifname: str) -> int:
+        idx = self.ipr.link_lookup(ifname=ifname)
+        if not idx:
+            where = f" in netns {self.ns}" if self.ns else ""
+            raise DataplaneError(errno.ENODEV, f"no device {ifname!r}{where}")
+        return int(idx[0])
+
+    def link_exists(self, ifname: str) -> bool:
+        return bool(self.ipr.link_lookup(ifname=ifname))
+
+    # ----------------------------------------------------------------- tc
+    def root_qdisc(self, idx: int) -> tuple[str | None, int]:
+        for q in self.ipr.get_qdiscs(index=idx):
+            if q["parent"] == 0xFFFFFFFF:
+                return q.get_attr("TCA_KIND"), int(q["handle"])
+        return None, 0
+
+    def has_clsact(self, idx: int) -> bool:
+        return any(
+            q.get_attr("TCA_KIND") == "clsact" for q in self.ipr.get_qdiscs(index=idx)
+        )
+
+    def ensure_clsact(self, idx: int) -> None:
+        if not self.has_clsact(idx):
+            try:
+                self.ipr.tc("add", "clsact", idx)
+            except NetlinkError as e:
+                if e.code != errno.EEXIST:
+                    raise _err(e, "add clsact") from e
+
+    def attach_bpf(self, idx: int, direction: str, prog_fd: int, name: str) -> None:
+        try:
+            self.ipr.tc(
+                "replace-filter", "bpf", idx, FILTER_HANDLE, parent=DIRECTIONS[direction],
+                prio=FILTER_PRIO, fd=prog_fd, name=name, direct_action=True, protocol=0x0003,
+            )
+        except NetlinkError as e:
+            raise _err(e, f"attach {name} ({direction})") from e
+
+    def bpf_filters(self, idx: int) -> dict[str, dict[str, Any]]:
+        """Our filters by direction: {'egress': {'name':..., 'prog_id':...}}."""
+        out: dict[str, dict[str, Any]] = {}
+        if not self.has_clsact(idx):
+            return out
+        for direction, parent in DIRECTIONS.items():
+            try:
+                filters = self.ipr.get_filters(index=idx, parent=parent)
+            except NetlinkError:
+                continue
+            for f in filters:
+                if f.get_attr("TCA_KIND") != "bpf" or (f["info"] >> 16) != FILTER_PRIO:
+                    continue
+                opts = f.get_attr("TCA_OPTIONS")
+                if opts is None:
+                    continue
+                out[direction] = {
+                    "name": opts.get_attr("TCA_BPF_NAME"),
+                    "prog_id": opts.get_attr("TCA_BPF_ID"),
+                }
+        return out
+
+    def detach_bpf(self, idx: int, direction: str) -> None:
+        try:
+            self.ipr.tc(
+                "del-filter", "bpf", idx, FILTER_HANDLE, parent=DIRECTIONS[direction],
+                prio=FILTER_PRIO, protocol=0x0003,
+            )
+        except NetlinkError as e:
+            if e.code not in (errno.ENOENT, errno.EINVAL):
+                raise _err(e, f"detach ({direction})") from e
+
+    def remove_clsact_if_empty(self, idx: int) -> None:
+        if not self.has_clsact(idx):
+            return
+        for parent in DIRECTIONS.values():
+            if list(self.ipr.get_filters(index=idx, parent=parent)):
+                return
+        try:
+            self.ipr.tc("del", "clsact", idx)
+        except NetlinkError as e:
+            if e.code not in (errno.ENOENT, errno.EINVAL):
+                raise _err(e, "delete clsact") from e
+
+    # ---------------------------------------------------------------- HTB
+    def htb_classes(self, idx: int) -> dict[int, dict[str, Any]]:
+        """Our HTB classes with their live statistics, by class id."""
+        out: dict[int, dict[str, Any]] = {}
+        for c in self.ipr.get_classes(index=idx):
+            if c.get_attr("TCA_KIND") != "htb" or (c["handle"] >> 16) != HTB_MAJOR:
+                continue
+            basic = c.get_attr("TCA_STATS2")
+            st: dict[str, Any] = {"parent": int(c["parent"])}
+            if basic is not None:
+                b = basic.get_attr("TCA_STATS_BASIC") or {}
+                q = basic.get_attr("TCA_STATS_QUEUE") or {}
+                st.update(
+                    bytes=int(b.get("bytes", 0)), packets=int(b.get("packets", 0)),
+                    drops=int(q.get("drops", 0)), overlimits=int(q.get("overlimits", 0)),
+                    backlog=int(q.get("backlog", 0)), qlen=int(q.get("qlen", 0)),
+                )
+            opts = c.get_attr("TCA_OPTIONS")
+            params = opts.get_attr("TCA_HTB_PARMS") if opts is not None else None
+            if params is not None:
+                st.update(prio=int(params["prio"]), quantum=int(params["quantum"]))
+            out[int(c["handle"])] = st
+        return out
+
+    def _leaf_qdisc(self, idx: int, classid: int, limit: int) -> None:
+        handle = (0x100 + (classid & 0xFFFF)) << 16
+        try:
+            self.ipr.tc("replace", "fq_codel", idx, handle, parent=classid, limit=limit)
+            return
+        except NetlinkError as e:
+            if e.code not in (errno.ENOENT, errno.EOPNOTSUPP, errno.EINVAL):
+                raise _err(e, f"leaf qdisc of {classid:#x}") from e
+        try:  # no fq_codel on this kernel: a short FIFO
+            self.ipr.tc("replace", "pfifo", idx, handle, parent=classid, limit=limit)
+        except NetlinkError as e:
+            raise _err(e, f"leaf qdisc of {classid:#x}") from e
+
+    def apply_htb(self, idx: int, spec: HtbSpec, *, force: bool = False) -> None:
+        kind, handle = self.root_qdisc(idx)
+        ours = kind == "htb" and handle == HTB_ROOT
+        if not ours and kind not in DEFAULT_ROOT_KINDS and not force:
+            raise DataplaneError(
+                errno.EBUSY,
+                f"device has a root qdisc {kind} {handle >> 16:x}: that mmmesh did not "
+                "create; remove it or pass --force",
+            )
+        try:
+            if ours:
+                # sch_htb has no change op: the default class can only be set at
+                # creation, so a new default means a new root.
+                if self._htb_default(idx) != spec.default_minor:
+                    self.ipr.tc("del", "htb", idx, HTB_ROOT)
+                    ours = False
+            if not ours:
+                self.ipr.tc("replace", "htb", idx, HTB_ROOT, default=spec.default_minor)
+            self.ipr.tc(
+                "replace-class", "htb", idx, HTB_PARENT, parent=HTB_ROOT,
+                rate=_bit(spec.link_bps), ceil=_bit(spec.link_bps), prio=0,
+            )
+            want = {c.classid for c in spec.leaves}
+            for c in spec.leaves:
+                self.ipr.tc(
+                    "replace-class", "htb", idx, c.classid, parent=HTB_PARENT,
+                    rate=_bit(c.rate_bps), ceil=_bit(c.ceil_bps), prio=c.prio,
+                    quantum=c.quantum,
+                )
+                self._leaf_qdisc(idx, c.classid, spec.leaf_limit)
+            for classid, st in self.htb_classes(idx).items():
+                if classid not in want and classid != HTB_PARENT and st["parent"] == HTB_PARENT:
+                    self.ipr.tc("del-class", "htb", idx, classid, parent=HTB_PARENT)
+        except NetlinkError as e:
+            raise _err(e, "configure HTB") from e
+
+    def _htb_default(self, idx: int) -> int | None:
+        for q in self.ipr.get_qdiscs(index=idx):
+            if q.get_attr("TCA_KIND") == "htb" and q["handle"] == HTB_ROOT:
+                opts = q.get_attr("TCA_OPTIONS")
+                init = opts.get_attr("TCA_HTB_INIT") if opts is not None else None
+                return int(init["defcls"]) if init is not None else None
+        return None
+
+    def apply_fifo(self, idx: int, link_bps: int, limit: int = 1000) -> None:
+        """The 'mesh off' baseline: the same link rate, one class, one FIFO."""
+        self.apply_htb(
+            idx,
+            HtbSpec(link_bps, 0x10, (HtbClass(HTB_ROOT | 0x10, link_bps, link_bps, 0, 1514),),
+                    leaf_limit=limit),
+            force=True,
+        )
+
+    def remove_htb(self, idx: int) -> None:
+        kind, handle = self.root_qdisc(idx)
+        if kind == "htb" and handle == HTB_ROOT:
+            try:
+                self.ipr.tc("del", "htb", idx, HTB_ROOT)
+            except NetlinkError as e:
+                if e.code not in (errno.ENOENT, errno.EINVAL):
+                    raise _err(e, "delete HTB") from e
+
+    # ------------------------------------------------------------ testbeds
+    def add_veth(self, name: str, peer: str, peer_ns: str | None = None) -> None:
+        peer_spec: dict[str, Any] = {"ifname": peer}
+        if peer_ns:
+            peer_spec["net_ns_fd"] = peer_ns
+        try:
+            self.ipr.link("add", ifname=name, kind="veth", peer=peer_spec)
+        except NetlinkError as e:
+            raise _err(e, f"add veth {name}") from e
+
+    def move_to_ns(self, ifname: str, ns: str) -> None:
+        self.ipr.link("set", index=self.ifindex(ifname), net_ns_fd=ns)
+
+    def configure(self, ifname: str, cidr: str | None = None, *, up: bool = True,
+                  mtu: int | None = None) -> int:
+        idx = self.ifindex(ifname)
+        if cidr:
+            addr, plen = cidr.split("/")
+            try:
+                self.ipr.addr("add", index=idx, address=addr, prefixlen=int(plen))
+            except NetlinkError as e:
+                if e.code != errno.EEXIST:
+                    raise _err(e, f"address {cidr} on {ifname}") from e
+        kw: dict[str, Any] = {}
+        if mtu:
+            kw["mtu"] = mtu
+        if up:
+            kw["state"] = "up"
+        if kw:
+            self.ipr.link("set", index=idx, **kw)
+        return idx
+
+    def loopback_up(self) -> None:
+        self.ipr.link("set", index=self.ifindex("lo"), state="up")
+
+    def add_route(self, dst: str, gateway: str) -> None:
+        try:
+            self.ipr.route("add", dst=dst, gateway=gateway)
+        except NetlinkError as e:
+            if e.code != errno.EEXIST:
+                raise _err(e, f"route {dst} via {gateway}") from e
+
+
+def create_netns(name: str) -> None:
+    try:
+        netns.create(name)
+    except OSError as e:
+        raise DataplaneError(e.errno or errno.EIO, f"create netns {name}: {e}") from e
+
+
+def remove_netns(name: str) -> None:
+    try:
+        netns.remove(name)
+    except OSError:
+        pass
+
+
+def list_netns() -> list[str]:
+    return list(netns.listnetns())
+
+
+@contextmanager
+def session(ns: str | None = None) -> Iterator[Netlink]:
+    nl = Netlink(ns)
+    try:
+        yield nl
+    finally:
+        nl.close()
+
+
+def enter_netns(name: str) -> None:
+    """Moves the calling process (call it in a fresh child) into netns ``name``."""
+    try:
+        netns.setns(name)
+    except OSError as e:
+        raise DataplaneError(e.errno or errno.EIO, f"enter netns {name}: {e}") from e

@@ -1,0 +1,102 @@
+"""Running packets through a private copy of the real classifier.
+
+``Classifier`` compiles ``bpf/mm_tc.c`` exactly as ``up`` does, loads it
+(without attaching or pinning anything), writes a policy into its own maps
+and runs Ethernet frames through it with BPF_PROG_TEST_RUN.  TCP frames of
+one Classifier share its flow table, in the order they are run.  The live
+pinned dataplane is never touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .. import _abi
+from ..policy import Policy
+from . import _bpf
+from ._bcc import compile_and_load
+from ._compile import compile_policy
+from ._maps import Maps
+
+TC_ACT_OK = 0
+TC_ACT_NAMES = {0: "pass", 2: "drop", 7: "redirect", -1: "unspec"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    verdict: str  # "pass" for TC_ACT_OK
+    retval: int
+    priority: int  # skb->priority after the program (the HTB class id)
+    classid: str | None  # "1:b"
+    class_id: int  # policy class id (0 = none)
+    class_: str | None  # class name
+    modality: str | None
+    reason: str  # parsed | flow_hit | not_mesh | malformed
+    clamped: bool
+    flow_learnt: bool
+    dscp_rewritten: bool
+    duration_ns: int
+    packet: bytes  # the frame as the program left it
+
+    def as_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["class"] = d.pop("class_")
+        d["packet"] = self.packet.hex() if self.dscp_rewritten else None
+        return d
+
+
+class Classifier:
+    """A private, unattached copy of the classifier with ``policy`` loaded."""
+
+    def __init__(self, policy: Policy, *, extra_cflags: list[str] | None = None,
+                 tunables: dict[str, int] | None = None) -> None:
+        self.policy = policy
+        self._obj = compile_and_load(tunables, extra_cflags)
+        fds = dict(self._obj.map_fds)
+        self._obj.map_fds.clear()  # Maps owns them now
+        self.maps = Maps(fds)
+        self.maps.write_meta()
+        self.maps.write_policy(compile_policy(policy))
+        self._names = {c.id: c.name for c in policy.classes}
+
+    def close(self) -> None:
+        self.maps.close()
+        self._obj.close()
+
+    def __enter__(self) -> Classifier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def prog_fd(self, direction: str = "egress") -> int:
+        return self._obj.prog_fds["mm_egress" if direction == "egress" else "mm_ingress"]
+
+    def run(self, frame: bytes, direction: str = "egress", repeat: int = 1) -> Verdict:
+        res = _bpf.prog_test_run(self.prog_fd(direction), frame, repeat=repeat)
+        cb = res.ctx.cb
+        reason = _abi.Reason(cb[_abi.CB_REASON]).name.lower()
+        cid = int(cb[_abi.CB_CLASS])
+        mod = int(cb[_abi.CB_MODALITY])
+        flags = int(cb[_abi.CB_FLAGS])
+        try:
+            modality = None if mod == _abi.NO_MODALITY else _abi.Modality(mod).name.lower()
+        except ValueError:
+            modality = f"unknown-{mod}"
+        prio = int(res.ctx.priority)
+        return Verdict(
+            verdict=TC_ACT_NAMES.get(res.retval, str(res.retval)),
+            retval=res.retval,
+            priority=prio,
+            classid=f"{prio >> 16:x}:{prio & 0xFFFF:x}" if prio else None,
+            class_id=cid,
+            class_=self._names.get(cid),
+            modality=modality,
+            reason=reason,
+            clamped=bool(flags & _abi.CBF_CLAMPED),
+            flow_learnt=bool(flags & _abi.CBF_FLOW_LEARNT),
+            dscp_rewritten=bool(flags & _abi.CBF_DSCP),
+            duration_ns=res.duration_ns,
+            packet=res.data,
+        )

@@ -1,0 +1,219 @@
+"""Bringing the dataplane up on a device, down again, and reading its state.
+
+``up`` is idempotent: run it again with a new policy and it rewrites the
+maps and reconciles the HTB tree in place.  A pinned dataplane of the same
+ABI version is adopted (programs, maps and the flow table are kept); one of
+another version is replaced.  ``down`` leaves the device as it was.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _abi
+from .._errors import DataplaneError
+from ..policy import Policy
+from . import _bpf
+from ._compile import compile_policy
+from ._maps import Maps
+from ._netlink import Netlink
+
+log = logging.getLogger("mmmesh.dataplane")
+
+BPFFS = "/sys/fs/bpf"
+PIN_ROOT = os.path.join(BPFFS, "mmmesh")
+PROGRAMS = {"egress": "mm_egress", "ingress": "mm_ingress"}
+MAP_NAMES = ("config_map", "class_map", "modality_map", "src_map", "flow_map", "stats_map",
+             "meta_map", "scratch_map")
+BPF_FS_MAGIC = 0xCAFE4A11
+
+
+def pin_dir(iface: str, netns: str | None = None) -> str:
+    """Where a device's programs and maps are pinned."""
+    return os.path.join(PIN_ROOT, f"@{netns}", iface) if netns else os.path.join(PIN_ROOT, iface)
+
+
+def ensure_bpffs() -> None:
+    """Mounts bpffs at /sys/fs/bpf when it is not (as systemd would)."""
+    if _is_bpffs(BPFFS):
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    os.makedirs(BPFFS, exist_ok=True)
+    if libc.mount(b"bpf", BPFFS.encode(), b"bpf", 0, None) != 0:
+        err = ctypes.get_errno()
+        raise DataplaneError(err, f"mount bpffs at {BPFFS}: {os.strerror(err)}")
+    log.info("mounted bpffs at %s", BPFFS)
+
+
+def _is_bpffs(path: str) -> bool:
+    class StatFs(ctypes.Structure):
+        _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 120)]
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    st = StatFs()
+    if libc.statfs(path.encode(), ctypes.byref(st)) != 0:
+        return False
+    return (st.f_type & 0xFFFFFFFF) == BPF_FS_MAGIC
+
+
+@dataclass
+class UpResult:
+    iface: str
+    netns: str | None
+    adopted: bool
+    prog_ids: dict[str, int] = field(default_factory=dict)
+    policy_version: int = 0
+
+
+def _unpin(directory: str) -> None:
+    if not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))
+    os.rmdir(directory)
+    parent = os.path.dirname(directory)
+    if parent != PIN_ROOT and os.path.isdir(parent) and not os.listdir(parent):
+        os.rmdir(parent)
+
+
+def _pinned_compatible(directory: str) -> bool:
+    if not os.path.isdir(directory):
+        return False
+    needed = [*PROGRAMS.values(), *MAP_NAMES]
+    if any(not os.path.exists(os.path.join(directory, n)) for n in needed):
+        return False
+    try:
+        maps = Maps.open_pinned(directory)
+    except DataplaneError:
+        return False
+    try:
+        return maps.abi_version() == _abi.ABI_VERSION
+    finally:
+        maps.close()
+
+
+def _load_and_pin(directory: str, tunables: dict[str, int] | None) -> None:
+    from ._bcc import compile_and_load  # bcc only when we really compile
+
+    obj = compile_and_load(tunables)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        for name, fd in obj.map_fds.items():
+            _bpf.obj_pin(fd, os.path.join(directory, name))
+        for name, fd in obj.prog_fds.items():
+            _bpf.obj_pin(fd, os.path.join(directory, name))
+        maps = Maps.open_pinned(directory)
+        try:
+            maps.write_meta()
+        finally:
+            maps.close()
+    except BaseException:
+        _unpin(directory)
+        raise
+    finally:
+        obj.close()
+
+
+def up(policy: Policy, iface: str | None = None, netns: str | None = None, *,
+       version: int = 0, force: bool = False, tunables: dict[str, int] | None = None,
+       ingress: bool = True) -> UpResult:
+    """Loads (or adopts) the classifier on ``iface`` and applies ``policy``."""
+    iface = iface or policy.link.device
+    compiled = compile_policy(policy, version)
+    ensure_bpffs()
+    directory = pin_dir(iface, netns)
+    with Netlink(netns) as nl:
+        idx = nl.ifindex(iface)
+        adopted = _pinned_compatible(directory)
+        if not adopted:
+            if os.path.isdir(directory):
+                log.warning("replacing pinned dataplane at %s (incompatible or incomplete)",
+                            directory)
+                _unpin(directory)
+            _load_and_pin(directory, tunables)
+        maps = Maps.open_pinned(directory)
+        try:
+            maps.write_policy(compiled)
+        finally:
+            maps.close()
+        assert compiled.htb is not None
+        nl.apply_htb(idx, compiled.htb, force=force)
+        nl.ensure_clsact(idx)
+        prog_ids: dict[str, int] = {}
+        attached = nl.bpf_filters(idx)
+        for direction, prog in PROGRAMS.items():
+            if direction == "ingress" and not ingress:
+                nl.detach_bpf(idx, direction)
+                continue
+            fd = _bpf.obj_get(os.path.join(directory, prog))
+            try:
+                pid = int(_bpf.prog_info(fd).id)
+                if attached.get(direction, {}).get("prog_id") != pid:
+                    nl.attach_bpf(idx, direction, fd, prog)
+                prog_ids[direction] = pid
+            finally:
+                os.close(fd)
+    return UpResult(iface, netns, adopted, prog_ids, version)
+
+
+def down(iface: str, netns: str | None = None) -> None:
+    """Detaches and unpins everything ``up`` installed on ``iface``."""
+    with Netlink(netns) as nl:
+        if nl.link_exists(iface):
+            idx = nl.ifindex(iface)
+            for direction in PROGRAMS:
+                nl.detach_bpf(idx, direction)
+            nl.remove_clsact_if_empty(idx)
+            nl.remove_htb(idx)
+    _unpin(pin_dir(iface, netns))
+
+
+def status(iface: str, netns: str | None = None, policy: Policy | None = None) -> dict[str, Any]:
+    """What is installed on ``iface``: programs, counters, HTB classes."""
+    directory = pin_dir(iface, netns)
+    out: dict[str, Any] = {"iface": iface, "netns": netns, "pin_dir": directory}
+    with Netlink(netns) as nl:
+        idx = nl.ifindex(iface)
+        out["programs"] = nl.bpf_filters(idx)
+        htb = nl.htb_classes(idx)
+    if not os.path.isdir(directory):
+        out["loaded"] = False
+        out["htb"] = {f"{k >> 16:x}:{k & 0xFFFF:x}": v for k, v in htb.items()}
+        return out
+    maps = Maps.open_pinned(directory)
+    try:
+        out["loaded"] = True
+        out["abi_version"] = maps.abi_version()
+        out["policy_version"] = maps.policy_version()
+        stats = maps.read_stats()
+        out["flows"] = maps.flow_count()
+        names = {c.id: c.name for c in policy.classes} if policy else {}
+        classes: dict[str, Any] = {}
+        for cid in range(1, _abi.MAX_CLASSES):
+            info = maps.classes.lookup(cid)
+            if info is None or not info.valid:
+                continue
+            h = htb.get(int(info.classid), {})
+            eg = stats["egress"].classes.get(cid, (0, 0))
+            ig = stats["ingress"].classes.get(cid, (0, 0))
+            classes[names.get(cid, str(cid))] = {
+                "id": cid,
+                "classid": f"{info.classid >> 16:x}:{info.classid & 0xFFFF:x}",
+                "rank": int(info.rank),
+                "egress_packets": eg[0], "egress_bytes": eg[1],
+                "ingress_packets": ig[0], "ingress_bytes": ig[1],
+                "htb": h,
+            }
+        out["classes"] = classes
+        out["reasons"] = {d: s.reasons for d, s in stats.items()}
+    finally:
+        maps.close()
+    return out
+
+
+__all__ = ["UpResult", "down", "ensure_bpffs", "pin_dir", "status", "up"]
