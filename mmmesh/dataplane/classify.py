@@ -12,7 +12,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import errno
+
 from .. import _abi
+from .._errors import DataplaneError
 from ..policy import Policy
 from . import _bpf
 from ._bcc import compile_and_load
@@ -74,6 +77,11 @@ class Classifier:
         return self._obj.prog_fds["mm_egress" if direction == "egress" else "mm_ingress"]
 
     def run(self, frame: bytes, direction: str = "egress", repeat: int = 1) -> Verdict:
+        if len(frame) < 14:
+            raise DataplaneError(
+                errno.EINVAL,
+                f"frame of {len(frame)} bytes: BPF_PROG_TEST_RUN needs a whole Ethernet header",
+            )
         res = _bpf.prog_test_run(self.prog_fd(direction), frame, repeat=repeat)
         cb = res.ctx.cb
         reason = _abi.Reason(cb[_abi.CB_REASON]).name.lower()
