@@ -23,6 +23,28 @@ from pyroute2.netlink.exceptions import NetlinkError
 from .._abi import HTB_MAJOR
 from .._errors import DataplaneError
 
+
+def _teach_pyroute2_bpf_ids() -> None:
+    """pyroute2 0.9 decodes cls_bpf options only up to TCA_BPF_FLAGS; the
+    program id and tag that the kernel also dumps (TCA_BPF_TAG = 10,
+    TCA_BPF_ID = 11) come back as UNKNOWN.  Status and adoption need the id,
+    so extend the attribute map (additive: nothing else changes)."""
+    from pyroute2.netlink.rtnl.tcmsg import sched_bpf
+
+    names = [n for n, _ in sched_bpf.options.nla_map]
+    if "TCA_BPF_ID" not in names and len(names) == 9:
+        sched_bpf.options.nla_map = (
+            *sched_bpf.options.nla_map,
+            ("TCA_BPF_FLAGS_GEN", "uint32"),
+            ("TCA_BPF_TAG", "hex"),
+            ("TCA_BPF_ID", "uint32"),
+        )
+        if hasattr(sched_bpf.options, "compile_nla"):
+            sched_bpf.options.compile_nla()
+
+
+_teach_pyroute2_bpf_ids()
+
 TC_H_CLSACT = 0xFFFFFFF1
 PARENT_INGRESS = 0xFFFFFFF2
 PARENT_EGRESS = 0xFFFFFFF3
@@ -232,7 +254,7 @@ class Netlink:
                 self._leaf_qdisc(idx, c.classid, spec.leaf_limit)
             for classid, st in self.htb_classes(idx).items():
                 if classid not in want and classid != HTB_PARENT and st["parent"] == HTB_PARENT:
-                    self.ipr.tc("del-class", "htb", idx, classid, parent=HTB_PARENT)
+                    self.ipr.tc("del-class", index=idx, handle=classid, parent=HTB_PARENT)
         except NetlinkError as e:
             raise _err(e, "configure HTB") from e
 
