@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:  # a group not built yet
-            if e.name != module:
+            if not (e.name == module or module.startswith(f"{e.name}.")):
                 raise
             grp.set_defaults(func=lambda _a, n=name: _missing(n))
             continue

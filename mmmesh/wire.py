@@ -1,0 +1,699 @@
+"""MMH v1: the modality header that starts every tensor-stream frame.
+
+The byte-level specification is ``docs/wire-format.md``; every number used here
+comes from :mod:`mmmesh._abi`.  In short::
+
+    0      3   4        5         6          7      8            12        hdr_len
+    | MMH | 1 | hdr_len | modality | sla_class | flags | payload_len | TLVs... | payload
+
+Decoding never copies the payload (payloads come back as ``memoryview`` slices
+of the caller's buffer) and raises only :class:`~mmmesh._errors.WireError` on
+malformed input.  Encoding validates every field and raises ``WireError`` (a
+``ValueError``) naming the field that does not fit.
+
+Typical use::
+
+    bufs = frame(Header(modality=Modality.AUDIO, stream_id=7), pcm)
+    sock.sendmsg(bufs)
+    ...
+    reader = FrameReader()
+    reader.feed(sock.recv(65536))
+    for hdr, payload in reader:
+        ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import struct
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from ._abi import (
+    MMH_HDR_MAX,
+    MMH_MAGIC,
+    MMH_MAGIC_U24,
+    MMH_MAGIC_V1_U32,
+    MMH_MAX_PAYLOAD,
+    MMH_MAX_TLVS,
+    MMH_OFF_CLASS,
+    MMH_OFF_FLAGS,
+    MMH_OFF_HDR_LEN,
+    MMH_OFF_MODALITY,
+    MMH_OFF_PAYLOAD_LEN,
+    MMH_OFF_VERSION,
+    MMH_PREAMBLE_LEN,
+    MMH_VERSION,
+    TENSOR_MAX_DIMS,
+    TLV_FIXED_LEN,
+    DType,
+    Flag,
+    Modality,
+    Tlv,
+)
+from ._errors import WireError
+
+__all__ = [
+    "MODALITY_ALIASES",
+    "TRACEPARENT_LEN",
+    "Buffer",
+    "FrameReader",
+    "Header",
+    "TensorSpec",
+    "decode_frame",
+    "decode_header",
+    "encode_header",
+    "frame",
+    "modality_name",
+    "modality_names",
+    "parse_modality",
+    "peek_class_inputs",
+    "traceparent_from_text",
+    "traceparent_to_text",
+]
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+"""Anything :func:`decode_header` and friends read from."""
+
+# version(1) trace-id(16) parent-id(8) trace-flags(1); the length is the ABI's
+TRACEPARENT_LEN: int = TLV_FIXED_LEN[Tlv.TRACEPARENT] or 0
+assert TRACEPARENT_LEN == 26
+
+# Extra names accepted by parse_modality (besides the lowercased enum names).
+MODALITY_ALIASES: dict[str, Modality] = {
+    "lidar": Modality.POINT_CLOUD,
+    "pointcloud": Modality.POINT_CLOUD,
+    "voice": Modality.AUDIO,
+}
+
+_PREAMBLE = struct.Struct("!IBBBBI")  # magic+version, hdr_len, modality, class, flags, payload_len
+_U16 = struct.Struct("!H")
+_U32 = struct.Struct("!I")
+_U64 = struct.Struct("!Q")
+_TLV_HDR = struct.Struct("!BB")
+_TENSOR_HDR = struct.Struct("!BB")
+_KNOWN_FLAGS = int(Flag.ERROR | Flag.END_OF_STREAM)
+
+
+# --------------------------------------------------------------------------
+# Value types
+# --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """The TENSOR TLV: element type and shape of the payload tensor."""
+
+    dtype: int
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if type(self.shape) is not tuple:  # accept any iterable (a list, numpy's .shape)
+            object.__setattr__(self, "shape", tuple(self.shape))
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions (0 for a scalar)."""
+        return len(self.shape)
+
+    @property
+    def dtype_name(self) -> str:
+        """KServe v2 name of the dtype (``FP32``...), or the number for unknown ones."""
+        try:
+            return DType(self.dtype).name
+        except ValueError:
+            return str(self.dtype)
+
+
+@dataclass(frozen=True)
+class Header:
+    """One decoded (or to-be-encoded) MMH header.
+
+    ``None`` means "TLV absent".  ``extra`` holds TLVs of unknown type as
+    ``(type, value)`` pairs so they survive a decode/encode round trip; PAD
+    TLVs are dropped on decode.  ``hdr_len`` is set by :func:`decode_header`
+    and ignored by :func:`encode_header` and by ``==``.
+    """
+
+    modality: int
+    sla_class: int = 0
+    flags: int = 0
+    payload_len: int = 0
+    stream_id: int | None = None
+    sequence: int | None = None
+    timestamp_ns: int | None = None
+    deadline_ns: int | None = None
+    fps: int | None = None
+    bitrate: int | None = None
+    density: int | None = None
+    tensor: TensorSpec | None = None
+    traceparent: bytes | None = None
+    error: tuple[int, str] | None = None
+    extra: tuple[tuple[int, bytes], ...] = ()
+    hdr_len: int | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def modality_name(self) -> str:
+        """Lowercase modality name (``"audio"``), or the number if unknown."""
+        return modality_name(self.modality)
+
+    @property
+    def traceparent_text(self) -> str | None:
+        """The trace context in W3C text form, ``00-<32 hex>-<16 hex>-<2 hex>``."""
+        return None if self.traceparent is None else traceparent_to_text(self.traceparent)
+
+    @property
+    def frame_len(self) -> int:
+        """Header plus payload bytes (only known on a decoded header)."""
+        if self.hdr_len is None:
+            raise ValueError("frame_len is only known for a decoded header")
+        return self.hdr_len + self.payload_len
+
+    def with_traceparent(self, text: str) -> Header:
+        """Copy of this header carrying the W3C ``traceparent`` text ``text``."""
+        return dataclasses.replace(self, traceparent=traceparent_from_text(text))
+
+
+# --------------------------------------------------------------------------
+# Names
+# --------------------------------------------------------------------------
+def modality_name(value: int) -> str:
+    """``4 -> "audio"``; unknown values come back as their decimal string."""
+    try:
+        return Modality(value).name.lower()
+    except ValueError:
+        return str(value)
+
+
+def modality_names() -> list[str]:
+    """Every name :func:`parse_modality` accepts: enum names first, then aliases."""
+    return [m.name.lower() for m in Modality] + list(MODALITY_ALIASES)
+
+
+def parse_modality(text: str) -> int:
+    """Modality from a name (case-insensitive, aliases allowed) or a number 0..255.
+
+    Raises ``ValueError`` listing the valid names.
+    """
+    key = text.strip().lower().replace("-", "_")
+    if key in MODALITY_ALIASES:
+        return int(MODALITY_ALIASES[key])
+    if key.upper() in Modality.__members__:
+        return int(Modality[key.upper()])
+    if key.isdigit() and int(key) <= 0xFF:
+        return int(key)
+    raise ValueError(
+        f"unknown modality {text!r}; valid: {', '.join(modality_names())} or a number 0..255"
+    )
+
+
+_TRACEPARENT_RE = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
+def traceparent_from_text(text: str) -> bytes:
+    """W3C ``traceparent`` text -> the 26-byte binary form carried in the TLV.
+
+    Raises ``ValueError`` unless ``text`` is ``vv-<32 hex>-<16 hex>-<2 hex>``
+    in lowercase with a version other than ``ff``.
+    """
+    m = _TRACEPARENT_RE.fullmatch(text.strip())
+    if m is None or m.group(1) == "ff":
+        raise ValueError(f"not a W3C traceparent: {text!r}")
+    return bytes.fromhex("".join(m.groups()))
+
+
+def traceparent_to_text(raw: bytes) -> str:
+    """26 raw bytes -> ``"00-<trace-id>-<parent-id>-<flags>"``."""
+    if len(raw) != TRACEPARENT_LEN:
+        raise ValueError(f"traceparent must be {TRACEPARENT_LEN} bytes, got {len(raw)}")
+    h = bytes(raw).hex()
+    return f"{h[0:2]}-{h[2:34]}-{h[34:50]}-{h[50:52]}"
+
+
+# --------------------------------------------------------------------------
+# Encoding
+# --------------------------------------------------------------------------
+# Integer TLVs: Header attribute -> (TLV type, struct).  Order = emission order.
+_INT_TLVS: tuple[tuple[str, Tlv, struct.Struct], ...] = (
+    ("stream_id", Tlv.STREAM_ID, _U32),
+    ("sequence", Tlv.SEQUENCE, _U64),
+    ("timestamp_ns", Tlv.TIMESTAMP_NS, _U64),
+    ("deadline_ns", Tlv.DEADLINE_NS, _U64),
+    ("fps", Tlv.VIDEO_FPS, _U16),
+    ("bitrate", Tlv.AUDIO_BITRATE, _U32),
+    ("density", Tlv.POINT_DENSITY, _U32),
+)
+_KNOWN_TYPES = frozenset(int(t) for t in Tlv)
+
+
+def _check_uint(name: str, value: object, bits: int, offset: int) -> int:
+    """``value`` as an int in 0..2**bits-1, else WireError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WireError(f"{name} must be an int, got {type(value).__name__}", offset)
+    if not 0 <= value < (1 << bits):
+        raise WireError(f"{name} {value} does not fit in u{bits}", offset)
+    return value
+
+
+def _encode_tensor(spec: TensorSpec, offset: int) -> bytes:
+    dtype = _check_uint("tensor.dtype", spec.dtype, 8, offset)
+    shape = tuple(spec.shape)
+    if len(shape) > TENSOR_MAX_DIMS:
+        raise WireError(f"tensor has {len(shape)} dims, at most {TENSOR_MAX_DIMS}", offset)
+    for i, dim in enumerate(shape):
+        _check_uint(f"tensor.shape[{i}]", dim, 32, offset)
+    return _TENSOR_HDR.pack(dtype, len(shape)) + struct.pack(f"!{len(shape)}I", *shape)
+
+
+def _encode_error(error: tuple[int, str], offset: int) -> bytes:
+    code, message = error
+    _check_uint("error code", code, 16, offset)
+    if not isinstance(message, str):
+        raise WireError("error message must be a str", offset)
+    return _U16.pack(code) + message.encode("utf-8")
+
+
+def _encode_traceparent(raw: bytes, offset: int) -> bytes:
+    if not isinstance(raw, bytes | bytearray | memoryview) or len(raw) != TRACEPARENT_LEN:
+        raise WireError(f"traceparent must be {TRACEPARENT_LEN} raw bytes", offset)
+    return bytes(raw)
+
+
+def _tlv_values(h: Header) -> list[tuple[int, bytes]]:
+    """(type, value) for every TLV the header carries, in emission order."""
+    off = MMH_PREAMBLE_LEN
+    out: list[tuple[int, bytes]] = []
+    for attr, tlv, st in _INT_TLVS:
+        value = getattr(h, attr)
+        if value is not None:
+            out.append((tlv, st.pack(_check_uint(attr, value, st.size * 8, off))))
+    if h.tensor is not None:
+        out.append((Tlv.TENSOR, _encode_tensor(h.tensor, off)))
+    if h.traceparent is not None:
+        out.append((Tlv.TRACEPARENT, _encode_traceparent(h.traceparent, off)))
+    if h.error is not None:
+        out.append((Tlv.ERROR, _encode_error(h.error, off)))
+    for typ, value in h.extra:
+        _check_uint("extra TLV type", typ, 8, off)
+        if typ in _KNOWN_TYPES:
+            raise WireError(f"extra TLV type {typ:#04x} is a known type; use its field", off)
+        out.append((typ, bytes(value)))
+    return out
+
+
+def _pad_tlv(hdr_len: int, align: int) -> bytes:
+    """A PAD TLV that brings ``hdr_len`` to a multiple of ``align`` (b"" if none needed)."""
+    need = -hdr_len % align
+    if need == 0:
+        return b""
+    if need == 1:  # a TLV is at least 2 bytes: pad one more alignment unit
+        need += align
+    return _TLV_HDR.pack(Tlv.PAD, need - 2) + bytes(need - 2)
+
+
+def encode_header(h: Header, *, align: int = 1) -> bytes:
+    """The wire bytes of ``h`` (preamble + TLVs; known TLVs in type order, then ``extra``).
+
+    ``align`` > 1 appends a PAD TLV so that the payload starts at a multiple of
+    ``align`` bytes from the frame start.  ``h.hdr_len`` is ignored.  Raises
+    :class:`WireError` (a ``ValueError``) if a field is out of range or the
+    header would exceed 255 bytes or 16 TLVs.
+    """
+    _check_uint("modality", h.modality, 8, MMH_OFF_MODALITY)
+    _check_uint("sla_class", h.sla_class, 8, MMH_OFF_CLASS)
+    _check_uint("flags", h.flags, 8, MMH_OFF_FLAGS)
+    if h.flags & ~_KNOWN_FLAGS:
+        raise WireError(f"flags {h.flags:#04x} set reserved bits (senders send 0)", MMH_OFF_FLAGS)
+    _check_uint("payload_len", h.payload_len, 32, MMH_OFF_PAYLOAD_LEN)
+    if h.payload_len > MMH_MAX_PAYLOAD:
+        raise WireError(
+            f"payload_len {h.payload_len} exceeds {MMH_MAX_PAYLOAD}", MMH_OFF_PAYLOAD_LEN
+        )
+    if not 1 <= align <= 64:
+        raise ValueError(f"align must be 1..64, got {align}")
+    parts = [b""]
+    off = MMH_PREAMBLE_LEN
+    for typ, value in _tlv_values(h):
+        if len(value) > 0xFF:
+            raise WireError(f"TLV {_tlv_name(typ)} value is {len(value)} bytes, max 255", off)
+        parts.append(_TLV_HDR.pack(typ, len(value)) + value)
+        off += 2 + len(value)
+    pad = _pad_tlv(off, align)
+    if pad:
+        parts.append(pad)
+        off += len(pad)
+    if len(parts) - 1 > MMH_MAX_TLVS:
+        raise WireError(f"{len(parts) - 1} TLVs, at most {MMH_MAX_TLVS}", MMH_PREAMBLE_LEN)
+    if off > MMH_HDR_MAX:
+        raise WireError(f"header would be {off} bytes, at most {MMH_HDR_MAX}", MMH_OFF_HDR_LEN)
+    parts[0] = _PREAMBLE.pack(
+        MMH_MAGIC_V1_U32, off, h.modality, h.sla_class, h.flags, h.payload_len
+    )
+    return b"".join(parts)
+
+
+def _byte_view(data: Buffer) -> Buffer:
+    """``data`` itself if bytes/bytearray, else a 1-D unsigned-byte view of it."""
+    if type(data) is bytes or type(data) is bytearray:
+        return data
+    mv = memoryview(data)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def frame(h: Header, payload: Buffer = b"", *, align: int = 1) -> list[bytes | memoryview]:
+    """``[header bytes, payload view]`` for ``socket.sendmsg``: no copy of ``payload``.
+
+    ``payload_len`` in the header is set to the payload size.
+    """
+    view = memoryview(_byte_view(payload))
+    hdr = encode_header(dataclasses.replace(h, payload_len=len(view)), align=align)
+    return [hdr, view]
+
+
+# --------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------
+# A TLV decoder gets (header bytes, value offset, value length, TLV offset).
+_Decoder = Callable[[bytes, int, int, int], Any]
+
+
+def _decode_tensor(hb: bytes, voff: int, ln: int, off: int) -> TensorSpec:
+    if ln < 2:
+        raise WireError(f"TENSOR TLV length {ln}, expected >= 2", off + 1)
+    dtype, ndim = _TENSOR_HDR.unpack_from(hb, voff)
+    if ndim > TENSOR_MAX_DIMS:
+        raise WireError(f"TENSOR ndim {ndim} > {TENSOR_MAX_DIMS}", voff + 1)
+    if ln != 2 + 4 * ndim:
+        raise WireError(f"TENSOR TLV length {ln}, expected {2 + 4 * ndim} for ndim {ndim}", off + 1)
+    return TensorSpec(dtype, struct.unpack_from(f"!{ndim}I", hb, voff + 2))
+
+
+def _decode_traceparent(hb: bytes, voff: int, ln: int, _off: int) -> bytes:
+    return hb[voff : voff + ln]
+
+
+def _decode_error(hb: bytes, voff: int, ln: int, off: int) -> tuple[int, str]:
+    if ln < 2:
+        raise WireError(f"ERROR TLV length {ln}, expected >= 2", off + 1)
+    raw = hb[voff + 2 : voff + ln]
+    try:
+        message = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise WireError("ERROR message is not valid UTF-8", voff + 2 + e.start) from None
+    return (_U16.unpack_from(hb, voff)[0], message)
+
+
+def _fixed_len(typ: Tlv) -> int:
+    """The TLV's fixed value length from the ABI table, -1 if variable."""
+    n = TLV_FIXED_LEN[typ]
+    return -1 if n is None else n
+
+
+# TLV type -> (Header attribute, fixed length or -1, unpack_from, decoder).  Integer
+# TLVs are read by their struct's unpack_from, inline in the loop (the hot path);
+# the others by a _Decoder.  PAD and unknown types are absent.
+_UnpackFrom = Callable[[bytes, int], tuple[int, ...]]
+_DECODERS: dict[int, tuple[str, int, _UnpackFrom | None, _Decoder | None]] = {
+    **{int(t): (attr, _fixed_len(t), st.unpack_from, None) for attr, t, st in _INT_TLVS},
+    int(Tlv.TENSOR): ("tensor", _fixed_len(Tlv.TENSOR), None, _decode_tensor),
+    int(Tlv.TRACEPARENT): ("traceparent", _fixed_len(Tlv.TRACEPARENT), None, _decode_traceparent),
+    int(Tlv.ERROR): ("error", _fixed_len(Tlv.ERROR), None, _decode_error),
+}
+
+
+def _tlv_name(typ: int) -> str:
+    try:
+        return Tlv(typ).name
+    except ValueError:
+        return f"{typ:#04x}"
+
+
+def _check_magic(buf: Buffer) -> None:
+    """WireError if the (possibly short) ``buf`` cannot start an MMH v1 header."""
+    head = bytes(buf[:4])
+    if head[:3] != MMH_MAGIC[: len(head[:3])]:
+        raise WireError("bad magic", 0)
+    if len(head) == 4 and head[3] != MMH_VERSION:
+        raise WireError(f"unsupported version {head[3]}", MMH_OFF_VERSION)
+
+
+def _preamble(buf: Buffer) -> tuple[int, int, int, int, int]:
+    """(hdr_len, modality, class, flags, payload_len) after checking bytes 0..11.
+
+    Does not check that ``hdr_len`` bytes are available.
+    """
+    if len(buf) < MMH_PREAMBLE_LEN:
+        _check_magic(buf)
+        raise WireError("truncated", len(buf))
+    magic, hdr_len, modality, sla, flags, plen = _PREAMBLE.unpack_from(buf, 0)
+    if magic != MMH_MAGIC_V1_U32:
+        if magic >> 8 != MMH_MAGIC_U24:
+            raise WireError("bad magic", 0)
+        raise WireError(f"unsupported version {magic & 0xFF}", MMH_OFF_VERSION)
+    if hdr_len < MMH_PREAMBLE_LEN:
+        raise WireError(f"hdr_len {hdr_len} < {MMH_PREAMBLE_LEN}", MMH_OFF_HDR_LEN)
+    if plen > MMH_MAX_PAYLOAD:
+        raise WireError(f"payload_len {plen} exceeds {MMH_MAX_PAYLOAD}", MMH_OFF_PAYLOAD_LEN)
+    return hdr_len, modality, sla, flags, plen
+
+
+def _decode_tlvs(hb: bytes, hdr_len: int) -> dict[str, Any]:
+    """Walk the TLVs in ``hb[12:hdr_len]``: Header attribute -> value (unknown in "extra")."""
+    fields: dict[str, Any] = {}
+    extra: list[tuple[int, bytes]] = []
+    off = MMH_PREAMBLE_LEN
+    count = 0
+    while off < hdr_len:
+        count += 1
+        if count > MMH_MAX_TLVS:
+            raise WireError(f"more than {MMH_MAX_TLVS} TLVs", off)
+        if off + 2 > hdr_len:
+            raise WireError("TLV header runs past hdr_len", off)
+        typ = hb[off]
+        ln = hb[off + 1]
+        end = off + 2 + ln
+        if end > hdr_len:
+            raise WireError(f"{_tlv_name(typ)} TLV value runs past hdr_len", off + 1)
+        if typ:  # PAD (type 0) is skipped
+            known = _DECODERS.get(typ)
+            if known is None:
+                extra.append((typ, hb[off + 2 : end]))
+            else:
+                attr, fixed, unpack, dec = known
+                if attr in fields:
+                    raise WireError(f"duplicate {_tlv_name(typ)} TLV", off)
+                if fixed >= 0 and ln != fixed:
+                    raise WireError(f"{_tlv_name(typ)} TLV length {ln}, expected {fixed}", off + 1)
+                if unpack is not None:
+                    fields[attr] = unpack(hb, off + 2)[0]
+                else:
+                    fields[attr] = dec(hb, off + 2, ln, off)  # type: ignore[misc]
+        off = end
+    if extra:
+        fields["extra"] = tuple(extra)
+    return fields
+
+
+def _new_header(
+    modality: int, sla: int, flags: int, plen: int, hdr_len: int, fields: dict[str, Any]
+) -> Header:
+    """Build a decoded Header without the frozen ``__init__`` (about 10x faster).
+
+    Attributes go straight into the instance ``__dict__``; absent TLV fields
+    fall back to the class-level defaults that ``@dataclass`` leaves in place.
+    """
+    h = object.__new__(Header)
+    d = h.__dict__
+    d["modality"] = modality
+    d["sla_class"] = sla
+    d["flags"] = flags
+    d["payload_len"] = plen
+    d["hdr_len"] = hdr_len
+    if fields:
+        d.update(fields)
+    return h
+
+
+_NO_FIELDS: dict[str, Any] = {}
+
+
+def decode_header(buf: Buffer) -> Header:
+    """Parse the MMH header at the start of ``buf`` (payload bytes may follow).
+
+    Only the header (at most 255 bytes) is read; the payload is not touched.
+    Raises :class:`WireError` with ``offset`` and ``reason`` on malformed input.
+    """
+    buf = _byte_view(buf)
+    hdr_len, modality, sla, flags, plen = _preamble(buf)
+    if hdr_len > len(buf):
+        raise WireError("truncated", len(buf))
+    if hdr_len == MMH_PREAMBLE_LEN:
+        return _new_header(modality, sla, flags, plen, hdr_len, _NO_FIELDS)
+    fields = _decode_tlvs(bytes(buf[:hdr_len]), hdr_len)
+    return _new_header(modality, sla, flags, plen, hdr_len, fields)
+
+
+def decode_frame(buf: Buffer) -> tuple[Header, memoryview]:
+    """Header and payload of the frame at the start of ``buf``.
+
+    The payload is a ``memoryview`` of ``buf`` (no copy).  Bytes after the
+    frame are ignored; ``Header.frame_len`` says where the next frame starts.
+    """
+    view = memoryview(_byte_view(buf))
+    h = decode_header(view)
+    start = h.hdr_len or MMH_PREAMBLE_LEN
+    end = start + h.payload_len
+    if end > len(view):
+        raise WireError("truncated payload", len(view))
+    return h, view[start:end]
+
+
+def peek_class_inputs(buf: Buffer) -> tuple[int, int]:
+    """``(modality, sla_class)`` from bytes 0..7, as the classifier reads them.
+
+    Checks magic, version and ``hdr_len >= 12`` only; the TLVs are not read.
+    """
+    buf = _byte_view(buf)
+    if len(buf) < MMH_OFF_FLAGS + 1:
+        _check_magic(buf)
+        raise WireError("truncated", len(buf))
+    _check_magic(buf)
+    if buf[MMH_OFF_HDR_LEN] < MMH_PREAMBLE_LEN:
+        raise WireError(f"hdr_len {buf[MMH_OFF_HDR_LEN]} < {MMH_PREAMBLE_LEN}", MMH_OFF_HDR_LEN)
+    return buf[MMH_OFF_MODALITY], buf[MMH_OFF_CLASS]
+
+
+# --------------------------------------------------------------------------
+# Stream splitting
+# --------------------------------------------------------------------------
+class FrameReader:
+    """Splits a TCP byte stream into ``(Header, payload)`` frames.
+
+    ``feed()`` the bytes as they arrive, then iterate to drain every complete
+    frame.  A payload that arrived inside one fed chunk is a ``memoryview`` of
+    that chunk (no copy); one that spans chunks is joined once.  Read-only
+    buffers (``bytes``) are kept by reference; writable ones are copied on feed
+    so that reusing a receive buffer is safe.
+
+    Malformed data raises :class:`WireError` with ``offset`` counted from the
+    start of the stream; the reader then stays failed (a byte stream cannot
+    resynchronise).  Frames whose payload_len exceeds ``max_payload`` are
+    malformed too.
+    """
+
+    def __init__(self, max_payload: int = MMH_MAX_PAYLOAD) -> None:
+        if not 0 <= max_payload <= MMH_MAX_PAYLOAD:
+            raise ValueError(f"max_payload must be 0..{MMH_MAX_PAYLOAD}")
+        self.max_payload = max_payload
+        self._chunks: deque[memoryview] = deque()
+        self._size = 0  # bytes buffered
+        self._pos = 0  # stream offset of the first buffered byte
+        self._header: Header | None = None  # parsed header of the frame in progress
+        self._error: WireError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as part of a frame."""
+        return self._size
+
+    @property
+    def position(self) -> int:
+        """Stream offset of the next frame (bytes consumed so far)."""
+        return self._pos
+
+    def feed(self, data: Buffer) -> None:
+        """Append received bytes."""
+        self._raise_if_failed()
+        view = memoryview(_byte_view(data))
+        if not view.readonly:
+            view = memoryview(view.tobytes())
+        if len(view):
+            self._chunks.append(view)
+            self._size += len(view)
+
+    def __iter__(self) -> Iterator[tuple[Header, memoryview]]:
+        """Every complete frame buffered so far, in order."""
+        while True:
+            item = self.next_frame()
+            if item is None:
+                return
+            yield item
+
+    def next_frame(self) -> tuple[Header, memoryview] | None:
+        """The next complete frame, or ``None`` if more bytes are needed."""
+        self._raise_if_failed()
+        try:
+            return self._next_frame()
+        except WireError as e:
+            self._error = WireError(e.reason, self._pos + e.offset)
+            raise self._error from None
+
+    def close(self) -> None:
+        """Declare end of stream: WireError if a partial frame is left over."""
+        self._raise_if_failed()
+        if self._size:
+            what = "truncated payload" if self._header is not None else "truncated"
+            self._error = WireError(what, self._pos + self._size)
+            raise self._error
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _next_frame(self) -> tuple[Header, memoryview] | None:
+        h = self._header
+        if h is None:
+            h = self._read_header()
+            if h is None:
+                return None
+            self._header = h
+        hdr_len = h.hdr_len or MMH_PREAMBLE_LEN
+        total = hdr_len + h.payload_len
+        if self._size < total:
+            return None
+        data = self._contiguous(total)
+        self._consume(total)
+        self._header = None
+        return h, data[hdr_len:total]
+
+    def _read_header(self) -> Header | None:
+        if self._size < MMH_PREAMBLE_LEN:
+            if self._size:
+                _check_magic(self._contiguous(min(self._size, 4)))
+            return None
+        hdr_len, _, _, _, plen = _preamble(self._contiguous(MMH_PREAMBLE_LEN))
+        if plen > self.max_payload:
+            raise WireError(
+                f"payload_len {plen} exceeds limit {self.max_payload}", MMH_OFF_PAYLOAD_LEN
+            )
+        if self._size < hdr_len:
+            return None
+        return decode_header(self._contiguous(hdr_len))
+
+    def _contiguous(self, n: int) -> memoryview:
+        """A view of the first ``n`` buffered bytes (joins leading chunks if needed)."""
+        first = self._chunks[0]
+        if len(first) >= n:
+            return first[:n]
+        parts: list[memoryview] = []
+        have = 0
+        while have < n:
+            chunk = self._chunks.popleft()
+            parts.append(chunk)
+            have += len(chunk)
+        joined = memoryview(b"".join(parts))
+        self._chunks.appendleft(joined)
+        return joined[:n]
+
+    def _consume(self, n: int) -> None:
+        self._size -= n
+        self._pos += n
+        while n:
+            first = self._chunks[0]
+            if len(first) <= n:
+                self._chunks.popleft()
+                n -= len(first)
+            else:
+                self._chunks[0] = first[n:]
+                n = 0
