@@ -1,0 +1,83 @@
+"""`mmmesh dataplane classify` is a test hook with an exact interface: one JSON
+object per packet, TCP packets of one invocation sharing a flow table."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+logging.getLogger("scapy.runtime").setLevel(logging.ERROR)
+
+from scapy.layers.inet import IP, TCP, UDP  # noqa: E402
+from scapy.layers.l2 import Ether  # noqa: E402
+from scapy.packet import Raw  # noqa: E402
+from scapy.utils import wrpcap  # noqa: E402
+
+from mmmesh.wire import Header, encode_header  # noqa: E402
+from tests.conftest import require_privileged  # noqa: E402
+
+pytestmark = pytest.mark.privileged
+ROOT = Path(__file__).resolve().parent.parent
+MMMESH = [sys.executable, "-m", "mmmesh.cli"]
+POLICY = str(ROOT / "examples" / "policy.yaml")
+
+
+def frames() -> list[bytes]:
+    ip = IP(src="10.0.1.2", dst="10.0.2.2")
+    return [
+        bytes(Ether() / ip / UDP(sport=1, dport=7000) / Raw(encode_header(Header(modality=4)))),
+        bytes(Ether() / ip / TCP(sport=5, dport=6, flags="PA")
+              / Raw(encode_header(Header(modality=5, payload_len=4000)) + b"x" * 100)),
+        bytes(Ether() / ip / TCP(sport=5, dport=6, flags="PA") / Raw(b"x" * 500)),
+        bytes(Ether() / ip / UDP(sport=1, dport=7000) / Raw(b"MMH\x07garbage")),
+    ]
+
+
+def check(lines: list[str]) -> None:
+    got = [json.loads(line) for line in lines]
+    assert [g["index"] for g in got] == [0, 1, 2, 3]
+    assert all(g["verdict"] == "pass" for g in got)
+    assert [(g["class"], g["reason"]) for g in got] == [
+        ("voice", "parsed"), ("lidar", "parsed"), ("lidar", "flow_hit"),
+        ("best-effort", "malformed"),
+    ]
+    assert got[0]["priority"] == 0x1000B and got[0]["modality"] == "audio"
+    assert got[3]["modality"] is None
+
+
+def test_classify_hex_json() -> None:
+    require_privileged()
+    out = subprocess.run(
+        [*MMMESH, "dataplane", "classify", "--policy", POLICY, "--json", "--hex",
+         *[f.hex() for f in frames()]],
+        check=True, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    check(out.stdout.strip().splitlines())
+
+
+def test_classify_pcap(tmp_path: Path) -> None:
+    require_privileged()
+    pcap = tmp_path / "in.pcap"
+    wrpcap(str(pcap), [Ether(f) for f in frames()])
+    out = subprocess.run(
+        [*MMMESH, "dataplane", "classify", "--policy", POLICY, "--json", "--pcap", str(pcap)],
+        check=True, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    check(out.stdout.strip().splitlines())
+
+
+def test_bad_policy_is_refused_with_the_field_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "examples" / "policy.yaml").read_text().replace(
+        "rate: 150mbit", "rate: lots"))
+    out = subprocess.run(
+        [*MMMESH, "dataplane", "classify", "--policy", str(bad), "--hex", "00" * 60],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+    assert out.returncode == 1
+    assert "classes[2].rate" in out.stderr
