@@ -20,7 +20,7 @@ from typing import Any
 from pyroute2 import IPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
-from .._abi import HTB_MAJOR
+from .._abi import HTB_MAJOR, MAX_CLASSES
 from .._errors import DataplaneError
 
 
@@ -51,7 +51,7 @@ PARENT_EGRESS = 0xFFFFFFF3
 FILTER_PRIO = 0x4D4D  # "MM": our filter among others on the same hook
 FILTER_HANDLE = 0x4D4D
 HTB_ROOT = HTB_MAJOR << 16
-HTB_PARENT = HTB_ROOT | 1
+HTB_PARENT = HTB_ROOT | MAX_CLASSES  # 1:40, outside the policy ids 1..63
 DIRECTIONS = {"egress": PARENT_EGRESS, "ingress": PARENT_INGRESS}
 # Root qdiscs a device has when nobody configured it: safe to replace.
 DEFAULT_ROOT_KINDS = {None, "noqueue", "pfifo_fast", "mq", "fq_codel", "fq", "pfifo"}
