@@ -142,7 +142,8 @@ def rows() -> Iterator[Row]:
     # --- not mesh -----------------------------------------------------
     yield Row("udp random payload", udp(b"hello, world" * 3), "not_mesh", "best-effort")
     yield Row("udp empty payload", udp(b""), "not_mesh", "best-effort")
-    yield Row("udp 3-byte payload 'MMH'", udp(b"MMH"), "not_mesh", "best-effort")
+    yield Row("udp 3-byte payload MMH (truncated)", udp(b"MMH"), "malformed", "best-effort")
+    yield Row("udp 3-byte payload not magic", udp(b"MMX"), "not_mesh", "best-effort")
     yield Row("wrong magic", udp(b"MMX" + VOICE[3:]), "not_mesh", "best-effort")
     yield Row("icmp", bytes(Ether() / IP(src=SRC, dst=DST) / ICMP()), "not_mesh", "best-effort")
     yield Row("arp", bytes(Ether() / ARP()), "not_mesh", "best-effort")

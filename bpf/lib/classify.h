@@ -144,7 +144,7 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 			if (!fl) {
 				struct mm_flow_info nf = {};
 
-				nf.last_seen_ns = bpf_ktime_get_ns();
+				nf.last_seen_ns = mm_now_ns();
 				nf.class_id = cid;
 				nf.modality = h.modality;
 				flow_map.update(&p.key, &nf);
@@ -169,9 +169,13 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 		}
 	}
 	if (fl) {
-		fl->last_seen_ns = bpf_ktime_get_ns();
-		__sync_fetch_and_add(&fl->packets, 1);
-		__sync_fetch_and_add(&fl->bytes, skb->len);
+		/* Per-flow counters are approximate by design: plain increments,
+		 * because a locked add per packet cost more than the rest of a flow
+		 * hit.  A flow's segments rarely run on two CPUs at once; the
+		 * per-class counters (per-CPU) are exact. */
+		fl->last_seen_ns = mm_now_ns();
+		fl->packets++;
+		fl->bytes += skb->len;
 	}
 
 	cid &= MM_MAX_CLASSES - 1;

@@ -42,4 +42,10 @@
 #define MM_FORCE_SKB_LOAD 0
 #endif
 
+/* Flow timestamps need ~ms resolution only: the coarse clock (kernel 5.11+)
+ * is several times cheaper than bpf_ktime_get_ns() in a VM.  Declared here
+ * because bcc 0.26 does not know the helper. */
+static __u64 (*mm_ktime_get_coarse_ns)(void) = (void *)BPF_FUNC_ktime_get_coarse_ns;
+#define mm_now_ns() mm_ktime_get_coarse_ns()
+
 #endif /* MM_COMPAT_H */

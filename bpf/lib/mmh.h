@@ -146,8 +146,20 @@ static __always_inline int mm_read_hdr(struct __sk_buff *skb, const struct mm_pk
 	struct mm_scratch *sc;
 	struct mm_tlv_out *out;
 
-	if (avail < 4)
-		return MM_HDR_NONE;
+	if (avail < 4) {
+		/* UDP: a datagram of 1..3 bytes that are a prefix of the magic is
+		 * a truncated header, as the decoder says.  TCP: short segments
+		 * are continuation data of their flow, never a header. */
+		__u8 i;
+
+		if (avail == 0 || p->key.proto != MM_IPPROTO_UDP || bpf_skb_load_bytes(skb, p->pay_off, pre, 1) < 0 || pre[0] != 'M')
+			return MM_HDR_NONE;
+		if (avail >= 2 && (bpf_skb_load_bytes(skb, p->pay_off + 1, &i, 1) < 0 || i != 'M'))
+			return MM_HDR_NONE;
+		if (avail >= 3 && (bpf_skb_load_bytes(skb, p->pay_off + 2, &i, 1) < 0 || i != 'H'))
+			return MM_HDR_NONE;
+		return MM_HDR_BAD;
+	}
 	if (!MM_FORCE_SKB_LOAD && p->pay_off <= MM_MAX_L4_OFF + 60 &&
 	    data + p->pay_off + sizeof(pre) <= data_end) {
 		__builtin_memcpy(pre, data + p->pay_off, sizeof(pre));
