@@ -40,38 +40,25 @@ static __always_inline __u32 mm_rd32(const __u8 *b, __u32 o)
 	       ((__u32)b[(o + 2) & MM_SCRATCH_MASK] << 8) | b[(o + 3) & MM_SCRATCH_MASK];
 }
 
-/* Index into mm_tlv_out.seen[] for known types (duplicates are malformed),
- * or -1 for PAD and unknown types (skipped, may repeat). */
-static __always_inline int mm_tlv_slot(__u8 t)
+/* What the walk needs to know of a TLV type, from one switch: the seen[]
+ * slot of a known type (duplicates are malformed; -1 for PAD and unknown
+ * types, which are skipped and may repeat) in bits 8..15 and its required
+ * value length (MM_TLV_FIXED_UNSET = variable or unknown) in bits 0..7. */
+#define MM_TLV_INFO(slot, len) ((((slot) & 0xff) << 8) | (len))
+static __always_inline __u32 mm_tlv_info(__u8 t)
 {
 	switch (t) {
-	case MM_TLV_STREAM_ID: return 0;
-	case MM_TLV_SEQUENCE: return 1;
-	case MM_TLV_TIMESTAMP_NS: return 2;
-	case MM_TLV_DEADLINE_NS: return 3;
-	case MM_TLV_VIDEO_FPS: return 4;
-	case MM_TLV_AUDIO_BITRATE: return 5;
-	case MM_TLV_POINT_DENSITY: return 6;
-	case MM_TLV_TENSOR: return 7;
-	case MM_TLV_TRACEPARENT: return 8;
-	case MM_TLV_ERROR: return 9;
-	default: return -1;
-	}
-}
-
-/* Required value length of a fixed-size TLV; 0xff = variable or unknown. */
-static __always_inline __u32 mm_tlv_fixed_len(__u8 t)
-{
-	switch (t) {
-	case MM_TLV_STREAM_ID: return 4;
-	case MM_TLV_SEQUENCE: return 8;
-	case MM_TLV_TIMESTAMP_NS: return 8;
-	case MM_TLV_DEADLINE_NS: return 8;
-	case MM_TLV_VIDEO_FPS: return 2;
-	case MM_TLV_AUDIO_BITRATE: return 4;
-	case MM_TLV_POINT_DENSITY: return 4;
-	case MM_TLV_TRACEPARENT: return 26;
-	default: return MM_TLV_FIXED_UNSET;
+	case MM_TLV_STREAM_ID: return MM_TLV_INFO(0, 4);
+	case MM_TLV_SEQUENCE: return MM_TLV_INFO(1, 8);
+	case MM_TLV_TIMESTAMP_NS: return MM_TLV_INFO(2, 8);
+	case MM_TLV_DEADLINE_NS: return MM_TLV_INFO(3, 8);
+	case MM_TLV_VIDEO_FPS: return MM_TLV_INFO(4, 2);
+	case MM_TLV_AUDIO_BITRATE: return MM_TLV_INFO(5, 4);
+	case MM_TLV_POINT_DENSITY: return MM_TLV_INFO(6, 4);
+	case MM_TLV_TENSOR: return MM_TLV_INFO(7, MM_TLV_FIXED_UNSET);
+	case MM_TLV_TRACEPARENT: return MM_TLV_INFO(8, 26);
+	case MM_TLV_ERROR: return MM_TLV_INFO(9, MM_TLV_FIXED_UNSET);
+	default: return MM_TLV_INFO(0xff, MM_TLV_FIXED_UNSET);
 	}
 }
 
@@ -82,8 +69,7 @@ static __always_inline int mm_walk_tlvs(const __u8 *buf, __u32 hdr_len, struct m
 	int i;
 
 	for (i = 0; i <= MM_MAX_TLVS; i++) {
-		__u32 t, l, v, fixed;
-		int slot;
+		__u32 t, l, v, fixed, info, slot;
 
 		if (o >= hdr_len)
 			return MM_HDR_OK;
@@ -96,16 +82,19 @@ static __always_inline int mm_walk_tlvs(const __u8 *buf, __u32 hdr_len, struct m
 		v = o + 2;
 		if (v + l > hdr_len)
 			return MM_HDR_BAD; /* TLV value runs past the header */
-		fixed = mm_tlv_fixed_len(t);
+		info = mm_tlv_info(t);
+		fixed = info & 0xff;
 		if (fixed != MM_TLV_FIXED_UNSET && l != fixed)
 			return MM_HDR_BAD;
-		slot = mm_tlv_slot(t);
-		if (slot >= 0) {
+		slot = info >> 8;
+		if (slot != 0xff) {
 			if (out->seen[slot & 15])
 				return MM_HDR_BAD; /* duplicate known TLV */
 			out->seen[slot & 15] = 1;
 		}
-		if (t == MM_TLV_VIDEO_FPS) {
+		if (slot == 0xff || slot < 4) {
+			/* PAD, unknown, ids and times: nothing to read */
+		} else if (t == MM_TLV_VIDEO_FPS) {
 			out->fps = mm_rd16(buf, v);
 			out->have |= MM_HAVE_FPS;
 		} else if (t == MM_TLV_AUDIO_BITRATE) {
