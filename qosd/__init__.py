@@ -1,0 +1,1 @@
+"""qosd: the mmmesh node daemon (policy store, reconciler, admin API, metrics)."""
