@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyroute2 import IPRoute, netns
+from pyroute2 import config as pyroute2_config
 from pyroute2.netlink.exceptions import NetlinkError
 
 from .._abi import HTB_MAJOR, MAX_CLASSES
@@ -44,6 +45,13 @@ def _teach_pyroute2_bpf_ids() -> None:
 
 
 _teach_pyroute2_bpf_ids()
+
+# pyroute2 forks a helper process to open a netlink socket in another netns
+# and stops it with SIGTERM.  A forked child inherits the parent's Python
+# signal handlers and asyncio's wakeup fd, so without this the child would
+# report "SIGTERM" to the parent's event loop (qosd would stop itself).  With
+# it, the child resets SIGTERM/SIGINT to their defaults first.
+pyroute2_config.disable_mp_signal = True
 
 TC_H_CLSACT = 0xFFFFFFF1
 PARENT_INGRESS = 0xFFFFFFF2
