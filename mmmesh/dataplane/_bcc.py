@@ -124,3 +124,45 @@ def compile_and_load(
     finally:
         b.cleanup()
     return obj
+
+
+def compile_and_pin(directory: str, tunables: dict[str, int] | None = None,
+                    extra_cflags: list[str] | None = None) -> None:
+    """Compiles, loads and pins programs and maps under ``directory``."""
+    from . import _bpf  # noqa: PLC0415
+
+    obj = compile_and_load(tunables, extra_cflags)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        for name, fd in [*obj.map_fds.items(), *obj.prog_fds.items()]:
+            _bpf.obj_pin(fd, os.path.join(directory, name))
+    finally:
+        obj.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mmmesh.dataplane._bcc DIR [-D NAME=VALUE]...``: compile and
+    pin in a short-lived process, so that the long-running caller (qosd)
+    never carries bcc and clang in its memory."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m mmmesh.dataplane._bcc")
+    ap.add_argument("pin_dir")
+    ap.add_argument("-D", dest="tunables", action="append", default=[],
+                    help="tunable NAME=VALUE (see mmmesh/_abi.py TUNABLES)")
+    a = ap.parse_args(argv)
+    tun: dict[str, int] = {}
+    for t in a.tunables:
+        k, _, v = t.partition("=")
+        tun[k] = int(v, 0)
+    try:
+        compile_and_pin(a.pin_dir, tun)
+    except DataplaneError as e:
+        print(f"mmmesh: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,15 +101,16 @@ def _pinned_compatible(directory: str) -> bool:
 
 
 def _load_and_pin(directory: str, tunables: dict[str, int] | None) -> None:
-    from ._bcc import compile_and_load  # bcc only when we really compile
-
-    obj = compile_and_load(tunables)
+    """Compiles and pins in a child process (bcc and clang cost ~100 MB that a
+    long-running caller should not keep), then stamps the ABI version."""
+    cmd = [sys.executable, "-m", "mmmesh.dataplane._bcc", directory]
+    for k, v in sorted((tunables or {}).items()):
+        cmd += ["-D", f"{k}={int(v)}"]
     try:
-        os.makedirs(directory, exist_ok=True)
-        for name, fd in obj.map_fds.items():
-            _bpf.obj_pin(fd, os.path.join(directory, name))
-        for name, fd in obj.prog_fds.items():
-            _bpf.obj_pin(fd, os.path.join(directory, name))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            msg = (proc.stderr.strip().splitlines() or ["compiler process failed"])[-1]
+            raise DataplaneError(errno.EINVAL, f"loading the BPF programs failed: {msg}")
         maps = Maps.open_pinned(directory)
         try:
             maps.write_meta()
@@ -115,8 +119,6 @@ def _load_and_pin(directory: str, tunables: dict[str, int] | None) -> None:
     except BaseException:
         _unpin(directory)
         raise
-    finally:
-        obj.close()
 
 
 def up(policy: Policy, iface: str | None = None, netns: str | None = None, *,
