@@ -679,7 +679,12 @@ def _cross_errors(p: Policy) -> list[tuple[str, str]]:
 # --------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------
-class _StrictLoader(yaml.SafeLoader):
+# libyaml's parser where PyYAML was built with it (~10x faster); same safe
+# constructor either way.
+_SafeBase: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _StrictLoader(_SafeBase):  # type: ignore[misc,valid-type]
     """SafeLoader that refuses duplicate mapping keys (a silent override otherwise)."""
 
 

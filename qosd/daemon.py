@@ -19,7 +19,6 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from mmmesh._errors import MeshError
@@ -46,47 +45,10 @@ def sd_notify(state: str) -> bool:
         return False
 
 
-def _bind_unix(path: Path) -> socket.socket:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() or path.is_symlink():
-        path.unlink()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)  # the socket is created 0600, never wider, not even briefly
-    try:
-        sock.bind(str(path))
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o600)
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
-
-
-def _bind_tcp(hostport: str) -> socket.socket:
-    host, _, port = hostport.rpartition(":")
-    host = host.strip("[]")
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(fam, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, int(port)))
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
-
-
-async def _serve(app: Any, sock: socket.socket) -> Any:
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                           access_log=False))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    return server, task
-
-
 async def run(cfg: QosdConfig) -> int:
     from starlette.concurrency import run_in_threadpool
 
-    from .api import create_app
+    from .api import create_app, serve
     from .metrics import Target, make_registry, serve_metrics
     from .service import QosdService
 
@@ -117,17 +79,18 @@ async def run(cfg: QosdConfig) -> int:
                  "adopted" if svc.reconciler.adopted else "loaded", res.version,
                  (time.monotonic() - t0) * 1000)
 
-    servers: list[Any] = []
     metrics_server = serve_metrics(registry, cfg.metrics_addr) if cfg.metrics_addr else None
-    servers.append(await _serve(create_app(svc), _bind_unix(cfg.api_socket)))
-    log.info("admin API on unix:%s", cfg.api_socket)
-    if cfg.api_tcp:
+    tcp, app_tcp = cfg.api_tcp, None
+    if tcp:
         token = cfg.token()
-        if not token:
-            log.error("api_tcp is set but no api_token/api_token_file: TCP API not started")
+        if token:
+            app_tcp = create_app(svc, token=token)
         else:
-            servers.append(await _serve(create_app(svc, token=token), _bind_tcp(cfg.api_tcp)))
-            log.info("admin API on tcp:%s (bearer token required)", cfg.api_tcp)
+            log.error("api_tcp is set but no api_token/api_token_file: TCP API not started")
+            tcp = None
+    servers = await serve(create_app(svc), uds=str(cfg.api_socket), tcp=tcp, app_tcp=app_tcp)
+    log.info("admin API on unix:%s%s", cfg.api_socket,
+             f" and tcp:{tcp} (bearer token required)" if tcp else "")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -168,18 +131,13 @@ async def run(cfg: QosdConfig) -> int:
     await stop.wait()
     log.info("stopping (the dataplane stays; the next qosd adopts it)")
     sd_notify("STOPPING=1")
-    for server, _task in servers:
-        server.should_exit = True
-    await asyncio.gather(*(t for _, t in servers), *tasks, return_exceptions=True)
+    await asyncio.gather(*(srv.stop_async() for srv in servers), *tasks,
+                         return_exceptions=True)
     if metrics_server is not None:
         try:
             metrics_server.shutdown()
         except Exception:  # pragma: no cover
             pass
-    try:
-        cfg.api_socket.unlink()
-    except FileNotFoundError:
-        pass
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mmmesh.policy import Policy, load_policy, parse_policy
+from mmmesh.policy import load_policy, parse_policy
 from tests.conftest import require_privileged
 
 pytestmark = pytest.mark.privileged

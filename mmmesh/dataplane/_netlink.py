@@ -86,6 +86,11 @@ def _bit(bps: int) -> str:
     return f"{int(bps)}bit"
 
 
+def _same_rates(cur: dict[str, Any], rate_bps: int, ceil_bps: int) -> bool:
+    """Kernel rates are bytes/s: compare what pyroute2 would send."""
+    return cur.get("rate_Bps") == int(rate_bps) // 8 and cur.get("ceil_Bps") == int(ceil_bps) // 8
+
+
 def _err(e: NetlinkError, what: str) -> DataplaneError:
     return DataplaneError(e.code, f"{what}: {e}")
 
@@ -213,7 +218,14 @@ class Netlink:
             opts = c.get_attr("TCA_OPTIONS")
             params = opts.get_attr("TCA_HTB_PARMS") if opts is not None else None
             if params is not None:
-                st.update(prio=int(params["prio"]), quantum=int(params["quantum"]))
+                st.update(prio=int(params["prio"]), quantum=int(params["quantum"]),
+                          rate_Bps=int(params["rate"]), ceil_Bps=int(params["ceil"]))
+                r64 = opts.get_attr("TCA_HTB_RATE64")
+                c64 = opts.get_attr("TCA_HTB_CEIL64")
+                if r64:
+                    st["rate_Bps"] = int(r64)
+                if c64:
+                    st["ceil_Bps"] = int(c64)
             out[int(c["handle"])] = st
         return out
 
@@ -248,23 +260,41 @@ class Netlink:
                     ours = False
             if not ours:
                 self.ipr.tc("replace", "htb", idx, HTB_ROOT, default=spec.default_minor)
-            self.ipr.tc(
-                "replace-class", "htb", idx, HTB_PARENT, parent=HTB_ROOT,
-                rate=_bit(spec.link_bps), ceil=_bit(spec.link_bps), prio=0,
-            )
+            # Only what differs is rewritten: a re-apply of the same policy
+            # costs two dumps, and unchanged classes keep their state.
+            have = self.htb_classes(idx) if ours else {}
+            leaves = self._leaf_parents(idx) if ours else set()
+            parent = have.get(HTB_PARENT)
+            if parent is None or not _same_rates(parent, spec.link_bps, spec.link_bps):
+                self.ipr.tc(
+                    "replace-class", "htb", idx, HTB_PARENT, parent=HTB_ROOT,
+                    rate=_bit(spec.link_bps), ceil=_bit(spec.link_bps), prio=0,
+                )
             want = {c.classid for c in spec.leaves}
             for c in spec.leaves:
-                self.ipr.tc(
-                    "replace-class", "htb", idx, c.classid, parent=HTB_PARENT,
-                    rate=_bit(c.rate_bps), ceil=_bit(c.ceil_bps), prio=c.prio,
-                    quantum=c.quantum,
-                )
-                self._leaf_qdisc(idx, c.classid, spec.leaf_limit)
-            for classid, st in self.htb_classes(idx).items():
+                cur = have.get(c.classid)
+                if (cur is None or cur.get("parent") != HTB_PARENT
+                        or not _same_rates(cur, c.rate_bps, c.ceil_bps)
+                        or cur.get("prio") != c.prio or cur.get("quantum") != c.quantum):
+                    self.ipr.tc(
+                        "replace-class", "htb", idx, c.classid, parent=HTB_PARENT,
+                        rate=_bit(c.rate_bps), ceil=_bit(c.ceil_bps), prio=c.prio,
+                        quantum=c.quantum,
+                    )
+                if c.classid not in leaves:
+                    self._leaf_qdisc(idx, c.classid, spec.leaf_limit)
+            for classid, st in have.items():
                 if classid not in want and classid != HTB_PARENT and st["parent"] == HTB_PARENT:
                     self.ipr.tc("del-class", index=idx, handle=classid, parent=HTB_PARENT)
         except NetlinkError as e:
             raise _err(e, "configure HTB") from e
+
+    def _leaf_parents(self, idx: int) -> set[int]:
+        """Class ids that already have a leaf qdisc."""
+        return {
+            int(q["parent"]) for q in self.ipr.get_qdiscs(index=idx)
+            if (q["parent"] >> 16) == HTB_MAJOR and q.get_attr("TCA_KIND") in ("fq_codel", "pfifo")
+        }
 
     def _htb_default(self, idx: int) -> int | None:
         for q in self.ipr.get_qdiscs(index=idx):
