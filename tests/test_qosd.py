@@ -369,3 +369,28 @@ def test_metrics_endpoint_reads_the_dataplane(node: Node) -> None:
     assert "mmmesh_htb_class_bytes_total" in body
     assert 'mmmesh_dataplane_up{iface="a0"} 1.0' in body or "mmmesh_dataplane_up" in body
     _ = json  # keep import for debugging dumps
+
+
+def test_systemd_notify_ready_and_watchdog(node: Node, tmp_path: Path) -> None:
+    """Type=notify: READY=1 once serving, WATCHDOG=1 at half WATCHDOG_USEC."""
+    path = str(tmp_path / "notify.sock")
+    recv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    recv.bind(path)
+    recv.settimeout(20)
+    env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"}
+    log = open(node.dir / "qosd.log", "ab")
+    node.proc = subprocess.Popen([str(VENV_BIN / "qosd"), "--config", str(node.cfg)],
+                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        msgs: list[str] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sum("WATCHDOG=1" in m for m in msgs) < 2:
+            msgs.append(recv.recv(4096).decode())
+        assert any(m.startswith("READY=1") for m in msgs), msgs
+        assert sum("WATCHDOG=1" in m for m in msgs) >= 2, msgs
+        ready = next(m for m in msgs if m.startswith("READY=1"))
+        assert node.sock.exists()  # READY is sent only once the API listens
+        assert f"MAINPID={node.proc.pid}" in ready
+    finally:
+        node.stop()
+        recv.close()
