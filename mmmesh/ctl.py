@@ -233,7 +233,9 @@ def _default_author() -> str:
 # Formatting
 # --------------------------------------------------------------------------
 def _out() -> Console:
-    return Console(highlight=False, soft_wrap=False)
+    # Not a terminal (pipes, CI logs): wide enough that tables are not cut.
+    width = None if sys.stdout.isatty() else 160
+    return Console(highlight=False, soft_wrap=False, width=width)
 
 
 def _when(ts: float | None) -> str:
@@ -620,7 +622,47 @@ def status(
         t.add_row(f"uplink {dev}", ", ".join(bits))
     problems = st.get("store_problems") or []
     t.add_row("store problems", Text("\n".join(problems), style="yellow") if problems else "none")
-    _out().print(t)
+    out = _out()
+    out.print(t)
+    for dev, info in (st.get("uplinks") or {}).items():
+        if isinstance(info, dict) and info.get("loaded"):
+            out.print(_uplink_table(dev, info))
+
+
+def _uplink_table(dev: str, info: dict[str, Any]) -> Any:
+    """Programs, then one row per class: BPF counters and HTB statistics."""
+    progs = ", ".join(f"{d} prog {p.get('prog_id')}" for d, p in
+                      sorted((info.get("programs") or {}).items())) or "NO programs attached"
+    t = Table(title=f"{dev}: {progs}", title_justify="left", box=None, header_style="bold",
+              pad_edge=False)
+    for col in ("CLASS", "HTB", "RANK", "EGRESS PKTS", "EGRESS BYTES", "INGRESS PKTS",
+                "HTB PKTS", "DROPS", "OVERLIMITS", "BACKLOG"):
+        t.add_column(col, justify="left" if col in ("CLASS", "HTB") else "right")
+    for name, c in (info.get("classes") or {}).items():
+        h = c.get("htb") or {}
+        t.add_row(name, str(c.get("classid")), str(c.get("rank")),
+                  str(c.get("egress_packets", 0)), _size(c.get("egress_bytes", 0)),
+                  str(c.get("ingress_packets", 0)), str(h.get("packets", "-")),
+                  str(h.get("drops", "-")), str(h.get("overlimits", "-")),
+                  _size(h.get("backlog", 0)))
+    reasons = info.get("reasons") or {}
+    eg = reasons.get("egress") or {}
+    if eg:
+        t.caption = "egress reasons: " + "  ".join(f"{k}={v}" for k, v in eg.items())
+        t.caption_justify = "left"
+    return t
+
+
+def _size(n: Any) -> str:
+    try:
+        v = float(n)
+    except (TypeError, ValueError):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if v < 1024 or unit == "GiB":
+            return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
+        v /= 1024
+    return str(n)
 
 
 # -- flows --------------------------------------------------------------------
