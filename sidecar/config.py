@@ -1,0 +1,115 @@
+"""The sidecar's configuration: a YAML file (``--config``) plus environment
+overrides ``MMMESH_SIDECAR_<FIELD>`` for top-level scalars.  A model team
+needs about a dozen lines:
+
+    stage: vision-encoder
+    listen: {tcp: "0.0.0.0:9000"}
+    runner: {kind: python, target: "examples.pipeline.stages:vision_encoder"}
+    outputs:
+      - {name: fusion, address: "10.0.3.2:9000", modality: tensor, sla_class: video}
+    qosd: {socket: /run/mmmesh/qosd.sock}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from mmmesh.wire import parse_modality
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _hostport(v: str) -> str:
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected host:port, got {v!r}")
+    return v
+
+
+class Listen(_M):
+    tcp: str | None = Field(default="0.0.0.0:9000", description="host:port for MMH over TCP")
+    udp: str | None = Field(default=None, description="host:port for MMH over UDP (real-time audio)")
+
+    _v = field_validator("tcp", "udp")(lambda v: None if v is None else _hostport(v))
+
+
+class RunnerConfig(_M):
+    kind: Literal["python", "onnx", "kserve-rest", "kserve-grpc"]
+    target: str = Field(description="python: 'package.module:function'; onnx: model file; "
+                                    "kserve-*: server URL (http://host:port or host:port)")
+    model_name: str | None = Field(default=None, description="kserve: model name")
+    model_version: str | None = None
+    input_name: str = Field(default="input", description="kserve/onnx: input tensor name")
+    output_name: str | None = Field(default=None, description="kserve/onnx: output to forward "
+                                                              "(default: the first)")
+    timeout_s: float = Field(default=5.0, gt=0, le=600)
+    concurrency: int = Field(default=1, ge=1, le=64)
+    binary_data: bool = Field(default=True, description="kserve-rest: binary tensor extension")
+
+
+class Output(_M):
+    name: str
+    address: str = Field(description="host:port of the downstream sidecar")
+    transport: Literal["tcp", "udp"] = "tcp"
+    modality: str = Field(description="modality of what this stage sends (wire names)")
+    sla_class: str = Field(description="SLA class name (for metrics and the header's request)")
+    sla_class_id: int = Field(default=0, ge=0, le=63,
+                              description="header sla_class byte (0 = let the policy decide)")
+    deadline_ms: float | None = Field(default=None, gt=0,
+                                      description="deadline added to the frame's timestamp")
+    realtime: bool = Field(default=False, description="drop frames past their deadline")
+
+    _a = field_validator("address")(lambda v: _hostport(v))
+
+    @field_validator("modality")
+    @classmethod
+    def _mod(cls, v: str) -> str:
+        parse_modality(v)  # raises ValueError with the valid names
+        return v
+
+
+class Limits(_M):
+    max_frame_bytes: int = Field(default=64 << 20, ge=1024, description="larger frames: "
+                                 "connection closed as malformed")
+    inbound_queue: int = Field(default=64, ge=1, description="frames waiting for the stage")
+    outbound_queue: int = Field(default=64, ge=1, description="frames waiting per downstream")
+    read_timeout_s: float = Field(default=30.0, gt=0, description="a peer stalled mid-frame "
+                                  "longer than this is disconnected")
+    drain_timeout_s: float = Field(default=10.0, gt=0)
+
+
+class QosdLink(_M):
+    socket: Path | None = Field(default=Path("/run/mmmesh/qosd.sock"))
+    report_interval_s: float = Field(default=5.0, gt=0)
+
+
+class SidecarConfig(_M):
+    stage: str
+    listen: Listen = Listen()
+    runner: RunnerConfig
+    outputs: tuple[Output, ...] = ()
+    default_sla_class: str = Field(default="best-effort",
+                                   description="class name used for inputs' metrics")
+    limits: Limits = Limits()
+    qosd: QosdLink = QosdLink()
+    metrics_addr: str | None = Field(default=None, description="host:port for /metrics")
+    otel: bool = Field(default=False, description="export spans with OpenTelemetry "
+                                                  "(OTEL_* environment configures it)")
+
+    @model_validator(mode="after")
+    def _unique_outputs(self) -> SidecarConfig:
+        names = [o.name for o in self.outputs]
+        if len(set(names)) != len(names):
+            raise ValueError("output names must be unique")
+        return self
+
+
+def load_config(path: str | Path) -> SidecarConfig:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    return SidecarConfig.model_validate(data)
