@@ -159,8 +159,63 @@ class RollbackBody(_Request):
     author: Author = None
 
 
+class Quantiles(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    p50: float = Field(ge=0)
+    p90: float = Field(ge=0)
+    p99: float = Field(ge=0)
+    max: float = Field(ge=0)
+
+
+class SlaClassReport(BaseModel):
+    """One window of one (stage, class, modality) as a sidecar measured it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sla_class: str = Field(min_length=1, max_length=64)
+    modality: str = Field(min_length=1, max_length=64)
+    window_s: float = Field(ge=0, le=86400)
+    frames: int = Field(ge=0)
+    deadline_misses: int = Field(ge=0)
+    drops: int = Field(ge=0)
+    errors: int = Field(ge=0)
+    attainment: float = Field(ge=0, le=1, description="frames within their deadline / frames "
+                                                      "with one (1.0 when none had one)")
+    e2e_ms: Quantiles | None = None
+    queue_ms: Quantiles | None = None
+    service_ms: Quantiles | None = None
+    sketch_e2e: str | None = Field(default=None, max_length=1 << 20,
+                                   description="base64 DDSketch protobuf (mergeable)")
+
+
+class SlaReport(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "node": None, "stage": "audio-frontend", "reports": [{
+            "sla_class": "voice", "modality": "audio", "window_s": 5.0, "frames": 500,
+            "deadline_misses": 0, "drops": 0, "errors": 0, "attainment": 1.0,
+            "e2e_ms": {"p50": 1.2, "p90": 2.0, "p99": 3.1, "max": 4.0}}]}]})
+
+    node: str | None = Field(default=None, max_length=253)
+    stage: str = Field(min_length=1, max_length=128)
+    reports: list[SlaClassReport] = Field(max_length=256)
+
+
 class _Response(BaseModel):
     pass
+
+
+class SlaAccepted(BaseModel):
+    accepted: int
+
+
+class SlaEntry(SlaClassReport):
+    stage: str
+    received_at: float = Field(description="unix seconds")
+
+
+class SlaView(BaseModel):
+    stages: list[SlaEntry] = Field(description="latest window per (stage, class, modality)")
 
 
 class VersionInfo(_Response):
@@ -585,6 +640,18 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
                         ) -> TopFlows:
         rows = await run_in_threadpool(service.top_flows, n)
         return TopFlows(flows=[_flow(r) for r in rows])
+
+    @v1.post("/sla", response_model=SlaAccepted, responses={**_E413, **_E422},
+             summary="a sidecar's SLA measurements for its last window", tags=["sla"])
+    async def post_sla(body: SlaReport) -> SlaAccepted:
+        n = await run_in_threadpool(service.report_sla, body.model_dump(mode="json"))
+        return SlaAccepted(accepted=n)
+
+    @v1.get("/sla", response_model=SlaView, summary="latest SLA window per stage and class",
+            tags=["sla"])
+    async def get_sla() -> SlaView:
+        rows = await run_in_threadpool(service.sla)
+        return SlaView(stages=[SlaEntry.model_validate(r) for r in rows])
 
     app.include_router(v1)
 

@@ -48,6 +48,8 @@ class QosdService:
         self._write_lock = threading.Lock()
         self._flow_prev: dict[bytes, tuple[int, float]] = {}
         self._flow_lock = threading.Lock()
+        self._sla: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self._sla_lock = threading.Lock()
 
     # ---------------------------------------------------------- startup
     def start(self) -> ReconcileResult | None:
@@ -150,6 +152,7 @@ class QosdService:
             "store_problems": list(self.store.problems),
             "started_at": self.started_at,
             "adopted": self.reconciler.adopted,
+            "sla": self.sla(),
         }
 
     def top_flows(self, n: int = 20) -> list[FlowRow]:
@@ -193,6 +196,24 @@ class QosdService:
             maps.close()
         rows.sort(key=lambda r: (r.rate_bps, r.bytes), reverse=True)
         return rows[: max(0, n)]
+
+    # -------------------------------------------------------------- SLA
+    SLA_KEEP_S = 300.0  # windows older than this are forgotten (the stage went away)
+
+    def report_sla(self, report: dict[str, Any]) -> int:
+        now = time.time()
+        with self._sla_lock:
+            for r in report["reports"]:
+                key = (report["stage"], r["sla_class"], r["modality"])
+                self._sla[key] = {**r, "stage": report["stage"], "received_at": now}
+            return len(report["reports"])
+
+    def sla(self) -> list[dict[str, Any]]:
+        now = time.time()
+        with self._sla_lock:
+            for k in [k for k, v in self._sla.items() if now - v["received_at"] > self.SLA_KEEP_S]:
+                del self._sla[k]
+            return [dict(v) for _, v in sorted(self._sla.items())]
 
     def healthy(self) -> bool:
         return True

@@ -82,6 +82,7 @@ class StoreService:
         self.explode: str | None = None  # method name that raises RuntimeError
         self.flows = list(FLOWS)
         self.calls: list[str] = []
+        self.sla_rows: dict[tuple[str, str, str], dict[str, Any]] = {}
 
     def _enter(self, name: str) -> None:
         self.calls.append(name)
@@ -153,6 +154,17 @@ class StoreService:
     def top_flows(self, n: int = 20) -> list[FlowRow]:
         self._enter("top_flows")
         return sorted(self.flows, key=lambda r: r.rate_bps, reverse=True)[:n]
+
+    def report_sla(self, report: dict[str, Any]) -> int:
+        self._enter("report_sla")
+        for r in report["reports"]:
+            self.sla_rows[(report["stage"], r["sla_class"], r["modality"])] = {
+                **r, "stage": report["stage"], "received_at": time.time()}
+        return len(report["reports"])
+
+    def sla(self) -> list[dict[str, Any]]:
+        self._enter("sla")
+        return [dict(v) for _, v in sorted(self.sla_rows.items())]
 
     def healthy(self) -> bool:
         self._enter("healthy")
@@ -537,7 +549,7 @@ def test_openapi_describes_the_api(client: TestClient, tmp_path: Path) -> None:
     assert set(doc["paths"]) == {
         "/v1/policy", "/v1/policy/validate", "/v1/policy/diff", "/v1/policy/history",
         "/v1/policy/versions/{version}", "/v1/policy/rollback", "/v1/status",
-        "/v1/flows/top", "/healthz", "/readyz",
+        "/v1/flows/top", "/v1/sla", "/healthz", "/readyz",
     }
     schemas = doc["components"]["schemas"]
     assert "HTTPValidationError" not in schemas  # our 422 body is documented instead
@@ -679,3 +691,17 @@ def test_split_hostport() -> None:
     for bad in ("8470", ":80", "host:", "host:99999", "host:x"):
         with pytest.raises(ValueError):
             api.split_hostport(bad)
+
+
+def test_sla_report_round_trip(client: Any) -> None:
+    body = {"stage": "audio-frontend", "reports": [
+        {"sla_class": "voice", "modality": "audio", "window_s": 5.0, "frames": 500,
+         "deadline_misses": 2, "drops": 0, "errors": 0, "attainment": 0.996,
+         "e2e_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0, "max": 9.0}}]}
+    r = client.post("/v1/sla", json=body)
+    assert r.status_code == 200 and r.json() == {"accepted": 1}
+    got = client.get("/v1/sla").json()["stages"]
+    assert got[0]["stage"] == "audio-frontend" and got[0]["attainment"] == 0.996
+    bad = client.post("/v1/sla", json={**body, "reports": [{**body["reports"][0],
+                                                             "attainment": 1.5}]})
+    assert bad.status_code == 422 and "attainment" in bad.text
