@@ -1,0 +1,337 @@
+"""A multi-node testbed on one machine: network namespaces joined by veth links.
+
+Two nodes by default::
+
+    [tx]  up0 10.201.1.1/24  <-- veth -->  eth0 10.201.1.2/24  [rx]
+
+``tx`` is the sending inference node (the model stages' traffic leaves it on
+its uplink ``up0``, the device that is shaped and where the classifier sits),
+``rx`` the receiving node.  With ``nodes=3`` the model pods live in a third
+namespace behind ``tx``, which forwards their traffic to the uplink, as a node
+forwards its pods' traffic::
+
+    [pod] eth0 10.201.0.2/24 <-> pod0 10.201.0.1/24 [tx] up0 10.201.1.1 <-> eth0 10.201.1.2 [rx]
+
+Namespace names start with a per-process prefix (``mmd<pid>-``); the testbed
+removes them, and stops every process it started in them, when the ``with``
+block ends: normally, on an exception, on Ctrl-C (SIGINT) and on SIGTERM.
+All netlink work goes through :mod:`mmmesh.dataplane._netlink`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType, TracebackType
+from typing import Any
+
+from .._errors import DataplaneError
+from ..dataplane import _netlink
+from ..dataplane._netlink import Netlink
+
+UPLINK = "up0"
+RX_IF = "eth0"
+POD_IF = "eth0"
+POD_GW_IF = "pod0"
+UPLINK_NET = "10.201.1"
+POD_NET = "10.201.0"
+
+
+@dataclass(frozen=True)
+class Node:
+    role: str  # "tx", "rx", "pod"
+    ns: str  # network namespace name
+    addr: str  # the node's address on its link towards the others
+
+
+class ChildError(RuntimeError):
+    """A process started in a node failed; carries its traceback text."""
+
+
+class Ctl:
+    """What a child function gets as its first argument: a way to say 'ready'."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection) -> None:
+        self._conn = conn
+
+    def ready(self, info: Any = None) -> None:
+        self._conn.send(("ready", info))
+
+
+def _child_main(ns: str | None, fn: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any], conn: multiprocessing.connection.Connection) -> None:
+    # The parent owns Ctrl-C and SIGTERM handling; a child just stops when told.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        if ns:
+            _netlink.enter_netns(ns)
+        result = fn(Ctl(conn), *args, **kwargs)
+        conn.send(("result", result))
+    except BaseException:  # report everything to the parent, then exit
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        conn.close()
+
+
+class Child:
+    """A process running ``fn(ctl, *args)`` inside a node's namespace."""
+
+    def __init__(self, ns: str | None, name: str, fn: Callable[..., Any], *args: Any,
+                 **kwargs: Any) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.name = name
+        self._conn, child_conn = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_child_main, name=name, daemon=True,
+                                args=(ns, fn, args, kwargs, child_conn))
+        self.proc.start()
+        child_conn.close()
+        self._ready: Any = None
+        self._result: Any = None
+        self._done = False
+
+    def _recv(self, timeout: float) -> tuple[str, Any]:
+        if not self._conn.poll(max(0.0, timeout)):
+            raise ChildError(f"{self.name}: no answer within {timeout:.1f}s")
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            self.proc.join(1.0)
+            raise ChildError(
+                f"{self.name}: exited (code {self.proc.exitcode}) without a result"
+            ) from None
+        if kind == "error":
+            self._done = True
+            raise ChildError(f"{self.name} failed:\n{value}")
+        return kind, value
+
+    def wait_ready(self, timeout: float = 10.0) -> Any:
+        kind, value = self._recv(timeout)
+        if kind == "result":  # finished before saying ready
+            self._result, self._done = value, True
+            return None
+        self._ready = value
+        return value
+
+    def result(self, timeout: float = 30.0) -> Any:
+        if not self._done:
+            while True:
+                kind, value = self._recv(timeout)
+                if kind == "result":
+                    self._result, self._done = value, True
+                    break
+        self.proc.join(5.0)
+        return self._result
+
+    def stop(self) -> None:
+        """Terminates the process if it still runs (SIGTERM, then SIGKILL)."""
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(2.0)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(2.0)
+        self._conn.close()
+
+
+def _write_sysctls(_ctl: Ctl, values: dict[str, str]) -> None:
+    """Runs inside a namespace: /proc/sys/net is per network namespace."""
+    for path, value in values.items():
+        try:
+            with open(os.path.join("/proc/sys", path), "w") as f:
+                f.write(value)
+        except FileNotFoundError:  # e.g. IPv6 disabled in the kernel
+            pass
+
+
+@dataclass
+class Testbed:
+    """Nodes in network namespaces; use as a context manager.
+
+    ``rate_bps`` is the uplink rate the demo shapes ``tx``'s uplink to (the
+    testbed itself leaves the device unshaped: see :meth:`shape_fifo` and
+    :func:`mmmesh.dataplane.loader.up`).
+    """
+
+    rate_bps: int = 300_000_000
+    nodes: int = 2
+    prefix: str = field(default_factory=lambda: f"mmd{os.getpid()}-")
+    tx: Node = field(init=False)
+    rx: Node = field(init=False)
+    pod: Node | None = field(init=False, default=None)
+    _created: list[str] = field(init=False, default_factory=list)
+    _children: list[Child] = field(init=False, default_factory=list)
+    _old_handlers: dict[int, Any] = field(init=False, default_factory=dict)
+    _closed: bool = field(init=False, default=False)
+    _owner: int = field(init=False, default_factory=os.getpid)
+
+    def __post_init__(self) -> None:
+        if self.nodes not in (2, 3):
+            raise ValueError(f"nodes must be 2 or 3, got {self.nodes}")
+        self.tx = Node("tx", f"{self.prefix}tx", f"{UPLINK_NET}.1")
+        self.rx = Node("rx", f"{self.prefix}rx", f"{UPLINK_NET}.2")
+        if self.nodes == 3:
+            self.pod = Node("pod", f"{self.prefix}pod", f"{POD_NET}.2")
+
+    # ----------------------------------------------------------- topology
+    @property
+    def sender(self) -> Node:
+        """Where the model stages' senders run (the pod node if there is one)."""
+        return self.pod or self.tx
+
+    @property
+    def receiver(self) -> Node:
+        return self.rx
+
+    @property
+    def uplink(self) -> tuple[str, str]:
+        """(namespace, device) of the shaped uplink."""
+        return self.tx.ns, UPLINK
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [n.ns for n in (self.tx, self.rx, self.pod) if n is not None]
+
+    # ---------------------------------------------------------- lifecycle
+    def __enter__(self) -> Testbed:
+        self._install_signal_handlers()
+        try:
+            self.create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _install_signal_handlers(self) -> None:
+        owner = self._owner
+
+        def on_term(signum: int, _frame: FrameType | None) -> None:
+            if os.getpid() != owner:
+                # A forked helper (pyroute2 forks to open sockets in a netns)
+                # inherited this handler: die as if it were not there.
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, on_term)
+            except ValueError:  # not the main thread: the caller handles signals
+                break
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, old in self._old_handlers.items():
+            try:
+                signal.signal(sig, old)
+            except (ValueError, TypeError):
+                pass
+        self._old_handlers.clear()
+
+    def create(self) -> None:
+        existing = set(_netlink.list_netns())
+        for ns in self.namespaces:
+            if ns in existing:
+                raise DataplaneError(17, f"netns {ns} already exists (a testbed of this "
+                                         "process is still up?)")
+        for ns in self.namespaces:
+            _netlink.create_netns(ns)
+            self._created.append(ns)
+        # No IPv6 (keeps router/neighbour solicitations out of the counters);
+        # tx forwards for the pod node.
+        for node in (self.tx, self.rx, self.pod):
+            if node is None:
+                continue
+            values = {"net/ipv6/conf/all/disable_ipv6": "1",
+                      "net/ipv6/conf/default/disable_ipv6": "1"}
+            if node is self.tx and self.pod is not None:
+                values["net/ipv4/ip_forward"] = "1"
+            self.run(node.ns, "sysctl", _write_sysctls, values, timeout=10.0)
+
+        with Netlink(self.tx.ns) as nl:
+            nl.add_veth(UPLINK, RX_IF, self.rx.ns)
+            nl.loopback_up()
+            nl.configure(UPLINK, f"{self.tx.addr}/24")
+            if self.pod is not None:
+                nl.add_veth(POD_GW_IF, POD_IF, self.pod.ns)
+                nl.configure(POD_GW_IF, f"{POD_NET}.1/24")
+        with Netlink(self.rx.ns) as nl:
+            nl.loopback_up()
+            nl.configure(RX_IF, f"{self.rx.addr}/24")
+            if self.pod is not None:
+                nl.add_route(f"{POD_NET}.0/24", self.tx.addr)
+        if self.pod is not None:
+            with Netlink(self.pod.ns) as nl:
+                nl.loopback_up()
+                nl.configure(POD_IF, f"{self.pod.addr}/24")
+                nl.add_route(f"{UPLINK_NET}.0/24", f"{POD_NET}.1")
+
+    def close(self) -> None:
+        """Stops our processes and removes our namespaces (idempotent)."""
+        if self._closed or os.getpid() != self._owner:
+            return  # already done, or a forked copy of us: the creator cleans up
+        self._closed = True
+        try:
+            for child in self._children:
+                child.stop()
+            self._children.clear()
+            for ns in reversed(self._created):
+                _netlink.remove_netns(ns)
+            self._created.clear()
+        finally:
+            self._restore_signal_handlers()
+
+    # ---------------------------------------------------------- processes
+    def spawn(self, ns: str, name: str, fn: Callable[..., Any], *args: Any,
+              **kwargs: Any) -> Child:
+        """Starts ``fn(ctl, *args, **kwargs)`` in a new process inside ``ns``."""
+        child = Child(ns, name, fn, *args, **kwargs)
+        self._children.append(child)
+        return child
+
+    def reap(self, child: Child) -> None:
+        child.stop()
+        if child in self._children:
+            self._children.remove(child)
+
+    def run(self, ns: str, name: str, fn: Callable[..., Any], *args: Any,
+            timeout: float = 30.0, **kwargs: Any) -> Any:
+        """``spawn`` and wait for the result."""
+        child = self.spawn(ns, name, fn, *args, **kwargs)
+        try:
+            return child.result(timeout)
+        finally:
+            self.reap(child)
+
+    # ------------------------------------------------------------ shaping
+    def shape_fifo(self, limit: int = 1000) -> None:
+        """'Mesh off': the uplink shaped to the same rate, one class, one FIFO."""
+        ns, dev = self.uplink
+        with Netlink(ns) as nl:
+            nl.apply_fifo(nl.ifindex(dev), self.rate_bps, limit)
+
+    def unshape(self) -> None:
+        """Removes the HTB root from the uplink (if it is ours)."""
+        ns, dev = self.uplink
+        with Netlink(ns) as nl:
+            nl.remove_htb(nl.ifindex(dev))
+
+    def htb_classes(self) -> dict[int, dict[str, Any]]:
+        ns, dev = self.uplink
+        with Netlink(ns) as nl:
+            return nl.htb_classes(nl.ifindex(dev))
+
+
+__all__ = ["Child", "ChildError", "Ctl", "Node", "Testbed", "UPLINK"]
