@@ -84,4 +84,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   "$VENV/bin/python" -m pip install -q -e ".[test,demo]"
   echo "$WANT" > "$STAMP"
 fi
+# A real KServe v2 / Open Inference Protocol server for the sidecar's interop
+# tests (MLServer and KServe's model server pin their own web stack, so they
+# get a venv of their own).
+"$ROOT/scripts/mlserver-env.sh"
 log "ready"
