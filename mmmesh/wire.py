@@ -358,7 +358,11 @@ def _byte_view(data: Buffer) -> Buffer:
     if type(data) is bytes or type(data) is bytearray:
         return data
     mv = memoryview(data)
-    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+    if mv.format == "B" and mv.ndim == 1:
+        return mv
+    if mv.nbytes == 0:  # memoryview.cast refuses zero-size views, e.g. shape (0, 3)
+        return memoryview(b"")
+    return mv.cast("B")
 
 
 def frame(h: Header, payload: Buffer = b"", *, align: int = 1) -> list[bytes | memoryview]:

@@ -592,3 +592,10 @@ def test_docs_example_decodes_as_documented(index: int) -> None:
     expected.update(documented)
     assert header_to_json(h) == expected
     assert encode_header(h) == data  # the encoder produces exactly the documented bytes
+
+
+def test_frame_of_a_zero_size_array() -> None:
+    import numpy as np
+
+    bufs = frame(Header(modality=7), np.zeros((0, 3), dtype=np.float32))
+    assert b"".join(bytes(b) for b in bufs)[8:12] == b"\0\0\0\0"  # payload_len 0
