@@ -506,6 +506,11 @@ class SlaRecorder:
         bound = server.server_address
         return (str(bound[0]), int(bound[1]))
 
+    def bind_counters(self, counters: Any) -> None:
+        """Exports the sidecar's transport counters (``Sidecar.counters``) from
+        this recorder's registry, read at scrape time."""
+        self.registry.register(_CountersCollector(self.cfg.stage, counters))
+
     def close_metrics(self) -> None:
         server, self._metrics_server = self._metrics_server, None
         if server is not None:
@@ -686,3 +691,70 @@ class _Acc:
         if enc is not None:
             res["sketch_e2e"] = enc
         return res
+
+
+# --------------------------------------------------------------------------
+# Transport counters (frames in/out, malformed, drops, reconnects) at scrape time
+# --------------------------------------------------------------------------
+class _CountersCollector:
+    """Reads ``Sidecar.counters.snapshot()`` when Prometheus scrapes."""
+
+    def __init__(self, stage: str, counters: Any) -> None:
+        self.stage = stage
+        self.counters = counters
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snap = self.counters.snapshot()
+        srv, stg, snd = snap.get("server", {}), snap.get("stage", {}), snap.get("senders", {})
+        st = [self.stage]
+        c = CounterMetricFamily("mmmesh_sidecar_frames_received", "MMH frames received",
+                                labels=["stage"])
+        c.add_metric(st, srv.get("frames_in", 0))
+        yield c
+        c = CounterMetricFamily("mmmesh_sidecar_received_bytes", "payload bytes received",
+                                labels=["stage"])
+        c.add_metric(st, srv.get("bytes_in", 0))
+        yield c
+        c = CounterMetricFamily("mmmesh_sidecar_malformed_frames",
+                                "malformed input that closed a connection or was dropped",
+                                labels=["stage", "reason"])
+        for reason, n in (srv.get("malformed") or {}).items():
+            c.add_metric([self.stage, reason], n)
+        yield c
+        c = CounterMetricFamily("mmmesh_sidecar_connections_closed",
+                                "inbound connections closed, by reason",
+                                labels=["stage", "reason"])
+        for reason, n in (srv.get("conn_closed") or {}).items():
+            c.add_metric([self.stage, reason], n)
+        yield c
+        g = GaugeMetricFamily("mmmesh_sidecar_stage_in_flight", "frames in the stage now",
+                              labels=["stage"])
+        g.add_metric(st, stg.get("in_flight", 0))
+        yield g
+        c = CounterMetricFamily("mmmesh_sidecar_stage_errors", "error frames produced",
+                                labels=["stage", "code"])
+        for code, n in (stg.get("errors") or {}).items():
+            c.add_metric([self.stage, str(code)], n)
+        yield c
+        out = CounterMetricFamily("mmmesh_sidecar_frames_sent", "MMH frames sent",
+                                  labels=["stage", "output"])
+        drops = CounterMetricFamily("mmmesh_sidecar_output_drops",
+                                    "frames dropped instead of sent late or queued",
+                                    labels=["stage", "output", "reason"])
+        rec = CounterMetricFamily("mmmesh_sidecar_reconnects", "downstream reconnects",
+                                  labels=["stage", "output"])
+        up = GaugeMetricFamily("mmmesh_sidecar_output_connected", "1 when connected",
+                               labels=["stage", "output"])
+        for name, s in snd.items():
+            out.add_metric([self.stage, name], s.get("frames_out", 0))
+            drops.add_metric([self.stage, name, "deadline"], s.get("dropped_deadline", 0))
+            drops.add_metric([self.stage, name, "overload"], s.get("dropped_overload", 0))
+            rec.add_metric([self.stage, name], s.get("reconnects", 0))
+            up.add_metric([self.stage, name], 1.0 if s.get("connected") else 0.0)
+        yield from (out, drops, rec, up)
+

@@ -533,3 +533,31 @@ def test_no_qosd_socket_still_rolls_windows() -> None:
 
     asyncio.run(asyncio.wait_for(main(), 30))
     assert rec.reports_sent == 0 and rec.reports_failed == 0
+
+
+def test_transport_counters_are_exported_at_scrape_time() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    class Counters:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def snapshot(self) -> dict[str, Any]:
+            self.n += 1
+            return {"server": {"frames_in": 10 * self.n, "bytes_in": 5,
+                               "malformed": {"bad_magic": 2}, "conn_closed": {"eof": 1}},
+                    "stage": {"in_flight": 1, "errors": {"STAGE_FAILED": 3}},
+                    "senders": {"fusion": {"frames_out": 7, "dropped_deadline": 1,
+                                           "dropped_overload": 0, "reconnects": 2,
+                                           "connected": True}}}
+
+    reg = CollectorRegistry()
+    rec = SlaRecorder(make_cfg(), registry=reg)
+    c = Counters()
+    rec.bind_counters(c)
+    first = generate_latest(reg).decode()
+    second = generate_latest(reg).decode()
+    assert 'mmmesh_sidecar_frames_received_total{stage=' in first
+    assert 'mmmesh_sidecar_malformed_frames_total{reason="bad_magic"' in first
+    assert 'mmmesh_sidecar_frames_sent_total{output="fusion"' in first
+    assert first != second  # read when scraped, not copied once
