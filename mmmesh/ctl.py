@@ -14,29 +14,54 @@ Exit codes (distinct, for scripts):
     5  qosd unreachable (no socket, connection refused, timeout)
     6  not found (no policy yet, no such version; HTTP 404)
     7  authentication failed (HTTP 401, or no permission on the socket)
+
+Why this module is frugal with imports
+--------------------------------------
+The latency an operator feels for a policy change is from typing
+``mmmeshctl policy apply -f FILE`` to the kernel state being changed (the
+target: p99 < 200 ms), and the CLI's own start-up is part of it.  The daemon's
+side of an apply is ~80 ms; a whole ``mmmeshctl`` process used to take ~400 ms
+(p50, against an API that answers at once), mostly imports: httpx ~130 ms,
+the pydantic typer parses options with ~65 ms, rich ~25 ms.  Now ~120 ms, of
+which the interpreter itself is ~50 ms.  So:
+
+* HTTP is the standard library's ``http.client`` (a unix-socket connection
+  subclass, plain/TLS connections for ``--server``), not httpx: one small
+  JSON request per command needs no more.
+* rich is imported only when something is printed as a table or in colour
+  (never for ``-o json``/``-o yaml``, apply, validate, rollback).
+* mmmesh.policy (pydantic) only for ``policy validate --local``.
+* typer coerces option values with pydantic TypeAdapters (importing pydantic:
+  the ~65 ms above); ``_FastCommand``/``_FastGroup`` below give the plain
+  str/int/float/bool/Enum options a pydantic-free path for well-formed
+  values and fall back to typer's own coercion (and its error messages)
+  for everything else.
+
+bench/ctl_startup.py measures whole ``mmmeshctl`` processes against qosd's API.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import getpass
+import functools
 import json
 import os
-import socket
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from enum import Enum
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
-import httpx
 import typer
-from rich.console import Console, Group
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
+from typer.core import TyperCommand, TyperGroup
+
+if TYPE_CHECKING:  # imported where used: see the module docstring
+    import http.client
+
+    from rich.console import Console, Group
+    from rich.table import Table
 
 __all__ = ["EXIT", "app", "main"]
 
@@ -71,6 +96,129 @@ class ListOutput(str, Enum):
 
 
 # --------------------------------------------------------------------------
+# Option values without pydantic
+# --------------------------------------------------------------------------
+_SLOW = object()  # "ask typer": the fast path does not decide this value
+
+
+def _fast_coercer(descriptor: Any) -> Callable[[Any, Any], Any] | None:
+    """A pydantic-free coercion for the values of one option, or None.
+
+    It returns exactly what typer's TypeAdapter would for the values it
+    accepts (str as is, ASCII decimal ints and floats within min/max, bools,
+    Enum members by their exact value) and ``_SLOW`` for anything else, which
+    then goes to typer's own coercion: same results, same error messages.
+    """
+    ann = descriptor.annotation
+    info = descriptor.parameter_info
+    if (descriptor.file_annotation is not None or getattr(info, "parser", None) is not None
+            or getattr(info, "click_type", None) is not None or getattr(info, "clamp", False)):
+        return None
+    lo, hi = getattr(info, "min", None), getattr(info, "max", None)
+
+    def in_range(v: float) -> bool:
+        return (lo is None or v >= lo) and (hi is None or v <= hi)
+
+    if ann is str and lo is None and hi is None:
+        return lambda v, ctx: v if isinstance(v, str) else _SLOW
+    if ann is bool and lo is None and hi is None:
+        return lambda v, ctx: v if isinstance(v, bool) else _SLOW
+    if ann is int:
+        def to_int(v: Any, ctx: Any) -> Any:
+            if isinstance(v, str):
+                digits = v[1:] if v[:1] in ("+", "-") else v
+                if not (digits.isascii() and digits.isdigit()):
+                    return _SLOW
+                v = int(v)
+            elif type(v) is not int:
+                return _SLOW
+            return v if in_range(v) else _SLOW
+        return to_int
+    if ann is float:
+        def to_float(v: Any, ctx: Any) -> Any:
+            if isinstance(v, str):
+                digits = (v[1:] if v[:1] in ("+", "-") else v).replace(".", "", 1)
+                if not (digits.isascii() and digits.isdigit()):
+                    return _SLOW
+                v = float(v)
+            elif type(v) is not float:
+                return _SLOW
+            return v if in_range(v) else _SLOW
+        return to_float
+    if (isinstance(ann, type) and issubclass(ann, Enum) and lo is None and hi is None
+            and getattr(info, "case_sensitive", False)):
+        by_value: dict[str, Enum] = {}
+        for member in ann:
+            if not isinstance(member.value, str):
+                return None
+            by_value.setdefault(member.value, member)
+
+        def to_member(v: Any, ctx: Any) -> Any:
+            if isinstance(v, ann):
+                return v
+            if isinstance(v, str) and getattr(ctx, "token_normalize_func", None) is None:
+                return by_value.get(v, _SLOW)
+            return _SLOW
+        return to_member
+    return None
+
+
+class _FastRuntimeParam:
+    """Stands in for typer's RuntimeParam of one single-valued option."""
+
+    def __init__(self, descriptor: Any, fast: Callable[[Any, Any], Any],
+                 build: Callable[[Any], Any]) -> None:
+        self._descriptor, self._fast, self._build = descriptor, fast, build
+        self._slow: Any = None
+
+    def coerce(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value is None:
+            return None
+        out = self._fast(value, ctx)
+        if out is not _SLOW:
+            return out
+        if self._slow is None:
+            self._slow = self._build(self._descriptor)  # typer's pydantic coercion
+        return self._slow.coerce(value, param=param, ctx=ctx)
+
+
+def _fast_params(params: Sequence[Any]) -> None:
+    """Gives the params whose values _fast_coercer handles the pydantic-free path.
+
+    Uses typer internals (``type_descriptor``, the lazily built
+    ``_runtime_param``); when they are not there (another typer), nothing
+    changes but the start-up time.  tests/test_ctl.py checks that a command
+    runs without importing pydantic.
+    """
+    try:
+        from typer._coercion import build_runtime_param
+    except ImportError:  # pragma: no cover - another typer
+        return
+    for p in params:
+        desc = getattr(p, "type_descriptor", None)
+        if (desc is None or getattr(p, "_runtime_param", False) is not None
+                or getattr(p, "multiple", True) or getattr(p, "nargs", 0) != 1):
+            continue
+        fast = _fast_coercer(desc)
+        if fast is not None:
+            p._runtime_param = _FastRuntimeParam(desc, fast, build_runtime_param)
+
+
+# typer appends its --install/--show-completion after making the group, and
+# --help is made per context: the params get the fast path when parsing starts.
+class _FastCommand(TyperCommand):
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        _fast_params(self.get_params(ctx))
+        return super().parse_args(ctx, args)
+
+
+class _FastGroup(TyperGroup):
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        _fast_params(self.get_params(ctx))
+        return super().parse_args(ctx, args)
+
+
+# --------------------------------------------------------------------------
 # Talking to qosd
 # --------------------------------------------------------------------------
 def _err(message: str) -> None:
@@ -86,41 +234,147 @@ def fail(code: int, message: str, details: list[str] | None = None) -> NoReturn:
 
 
 @dataclass
+class Response:
+    status_code: int
+    content: bytes
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status_code < 300
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)  # ValueError when it is not JSON (or not UTF-8)
+
+
+_NewConnection = Callable[..., "http.client.HTTPConnection"]
+
+
+@functools.cache
+def _connection_classes() -> tuple[_NewConnection, _NewConnection, _NewConnection | None]:
+    """(unix socket, TCP, TLS or None) connection classes, made on first use.
+
+    Each connects within ``timeout`` (``--timeout``, at most 5 s) and then
+    waits up to ``read_timeout`` (``--timeout``) for each read of the answer.
+    """
+    import http.client
+    import socket
+
+    class UnixConnection(http.client.HTTPConnection):
+        def __init__(self, path: str, *, timeout: float, read_timeout: float) -> None:
+            super().__init__("qosd", timeout=timeout)
+            self.unix_path = path
+            self.read_timeout = read_timeout
+
+        def connect(self) -> None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(self.timeout)
+                sock.connect(self.unix_path)
+                sock.settimeout(self.read_timeout)
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+
+    class TcpConnection(http.client.HTTPConnection):
+        def __init__(self, host: str, port: int | None, *, timeout: float,
+                     read_timeout: float) -> None:
+            super().__init__(host, port, timeout=timeout)
+            self.read_timeout = read_timeout
+
+        def connect(self) -> None:
+            super().connect()
+            self.sock.settimeout(self.read_timeout)
+
+    tls: _NewConnection | None = None
+    if hasattr(http.client, "HTTPSConnection"):  # Python built with ssl
+        class TlsConnection(http.client.HTTPSConnection):
+            # the default context: certificates verified against the system CAs
+            def __init__(self, host: str, port: int | None, *, timeout: float,
+                         read_timeout: float) -> None:
+                super().__init__(host, port, timeout=timeout)
+                self.read_timeout = read_timeout
+
+            def connect(self) -> None:
+                super().connect()  # TCP connect and TLS handshake within self.timeout
+                self.sock.settimeout(self.read_timeout)
+        tls = TlsConnection
+    return UnixConnection, TcpConnection, tls
+
+
+@dataclass
 class Conn:
     socket: str = DEFAULT_SOCKET
     server: str | None = None
     token: str | None = None
     timeout: float = 30.0
-    _client: httpx.Client | None = field(default=None, repr=False)
 
     @property
     def where(self) -> str:
         return self.server if self.server else f"unix socket {self.socket}"
 
-    def client(self) -> httpx.Client:
-        if self._client is None:
-            headers = {"User-Agent": f"{PROG}/1"}
-            if self.token:
-                headers["Authorization"] = f"Bearer {self.token}"
-            timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, 5.0))
-            if self.server:
-                url = self.server if "://" in self.server else f"http://{self.server}"
-                self._client = httpx.Client(base_url=url, headers=headers, timeout=timeout)
-            else:
-                self._client = httpx.Client(
-                    transport=httpx.HTTPTransport(uds=self.socket),
-                    base_url="http://qosd", headers=headers, timeout=timeout,
-                )
-        return self._client
-
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        """Nothing to do: each request has its own connection (closed after it)."""
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, str]:
+        """A new connection to qosd and the path prefix of --server (or "")."""
+        unix, tcp, tls = _connection_classes()
+        connect_timeout = min(self.timeout, 5.0)
+        if not self.server:
+            return unix(self.socket, timeout=connect_timeout, read_timeout=self.timeout), ""
+        from urllib.parse import urlsplit
+
+        url = self.server if "://" in self.server else f"http://{self.server}"
+        try:
+            parts = urlsplit(url)
+            scheme, host, port = parts.scheme.lower(), parts.hostname, parts.port
+        except ValueError as e:  # e.g. a port that is not a number
+            fail(EXIT.USAGE, f"error: bad --server URL {self.server!r}: {e}")
+        cls = tcp if scheme == "http" else tls if scheme == "https" else None
+        if cls is None:
+            fail(EXIT.USAGE, f"error: bad --server URL {self.server!r}: "
+                             f"unsupported scheme {parts.scheme!r} (http or https)")
+        if not host:
+            fail(EXIT.USAGE, f"error: bad --server URL {self.server!r}: no host")
+        if ":" in host:
+            host = f"[{host}]"  # IPv6 literal, as http.client wants it
+        try:
+            conn = cls(host, port, timeout=connect_timeout, read_timeout=self.timeout)
+        except ValueError as e:  # http.client.InvalidURL is one
+            fail(EXIT.USAGE, f"error: bad --server URL {self.server!r}: {e}")
+        return conn, parts.path.rstrip("/")
+
+    def _send(self, method: str, path: str, json_body: Any,
+              params: dict[str, Any] | None) -> Response:
+        conn, prefix = self._connection()
+        if params:
+            from urllib.parse import urlencode
+
+            path = f"{path}?{urlencode(params)}"
+        headers = {"User-Agent": f"{PROG}/1", "Accept": "application/json",
+                   "Connection": "close"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        body = None
+        if json_body is not None:
+            body = json.dumps(json_body, ensure_ascii=False).encode("utf-8")
+            headers["Content-Type"] = "application/json"
+        try:
+            conn.request(method, prefix + path, body=body, headers=headers)
+            r = conn.getresponse()
+            return Response(r.status, r.read())
+        finally:
+            conn.close()
 
     def request(self, method: str, path: str, *, json_body: Any = None,
                 params: dict[str, Any] | None = None) -> Any:
         """The JSON answer of a 2xx; anything else ends the program with its exit code."""
+        import http.client
+
         if not self.server:
             try:
                 os.stat(self.socket)
@@ -131,20 +385,19 @@ class Conn:
             except OSError:
                 pass  # e.g. EACCES on the directory: connect() says it properly
         try:
-            r = self.client().request(method, path, json=json_body, params=params)
-        except httpx.TimeoutException:
+            r = self._send(method, path, json_body, params)
+        except TimeoutError:  # socket.timeout: connecting, the TLS handshake or the answer
             fail(EXIT.UNREACHABLE, f"error: qosd at {self.where} did not answer within "
                                    f"{self.timeout:g}s")
-        except httpx.TransportError as e:
-            cause = _os_error(e)
-            if cause is not None and cause.errno in (errno.EACCES, errno.EPERM):
+        except OSError as e:  # refused, reset, no such host, TLS errors, ...
+            if e.errno in (errno.EACCES, errno.EPERM):
                 fail(EXIT.AUTH, f"error: permission denied on {self.where} "
                                 "(the socket is root only; use sudo)")
-            reason = cause.strerror if cause is not None and cause.strerror else str(e) or \
-                type(e).__name__
+            reason = e.strerror or str(e) or type(e).__name__
             fail(EXIT.UNREACHABLE, f"error: cannot reach qosd at {self.where}: {reason}")
-        except httpx.InvalidURL as e:
-            fail(EXIT.USAGE, f"error: bad --server URL {self.server!r}: {e}")
+        except http.client.HTTPException as e:  # a broken or cut answer
+            fail(EXIT.UNREACHABLE, f"error: cannot reach qosd at {self.where}: "
+                                   f"{str(e) or type(e).__name__}")
         if r.is_success:
             try:
                 return r.json()
@@ -153,18 +406,7 @@ class Conn:
         _http_error(r)
 
 
-def _os_error(e: BaseException) -> OSError | None:
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, OSError):
-            return cur
-        cur = cur.__cause__ or cur.__context__
-    return None
-
-
-def _http_error(r: httpx.Response) -> NoReturn:
+def _http_error(r: Response) -> NoReturn:
     code = _HTTP_EXIT.get(r.status_code, EXIT.OTHER)
     try:
         body = r.json()
@@ -222,6 +464,9 @@ def _read_file(path: str) -> str:
 
 
 def _default_author() -> str:
+    import getpass
+    import socket
+
     user = os.environ.get("SUDO_USER") or ""
     if not user:
         with contextlib.suppress(Exception):
@@ -233,6 +478,8 @@ def _default_author() -> str:
 # Formatting
 # --------------------------------------------------------------------------
 def _out() -> Console:
+    from rich.console import Console
+
     # Not a terminal (pipes, CI logs): wide enough that tables are not cut.
     width = None if sys.stdout.isatty() else 160
     return Console(highlight=False, soft_wrap=False, width=width)
@@ -277,6 +524,10 @@ def _json(data: Any) -> None:
 
 
 def _policy_tables(doc: dict[str, Any]) -> Group:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     pol = doc["policy"]
     link = pol.get("link", {})
     head = Text()
@@ -323,6 +574,8 @@ def _policy_tables(doc: dict[str, Any]) -> Group:
 
 
 def _flows_table(flows: list[dict[str, Any]], where: str) -> Table:
+    from rich.table import Table
+
     t = Table(title=f"top flows on {where}  ({time.strftime('%H:%M:%S')})", box=None,
               header_style="bold", pad_edge=False, title_justify="left")
     for col, just in (("SOURCE", "left"), ("DESTINATION", "left"), ("PROTO", "left"),
@@ -362,15 +615,17 @@ app = typer.Typer(
         "  MMMESH_TOKEN=... mmmeshctl --server http://node1:8470 status"
     ),
     no_args_is_help=True,
+    cls=_FastGroup,
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 policy_app = typer.Typer(
     help="Validate, apply, diff, inspect and roll back SLA policies.",
-    no_args_is_help=True,
+    no_args_is_help=True, cls=_FastGroup,
 )
-flows_app = typer.Typer(help="The flows the dataplane sees.", no_args_is_help=True)
+flows_app = typer.Typer(help="The flows the dataplane sees.", no_args_is_help=True,
+                        cls=_FastGroup)
 app.add_typer(policy_app, name="policy")
 app.add_typer(flows_app, name="flows")
 
@@ -403,7 +658,7 @@ def _global(
 
 
 # -- policy -----------------------------------------------------------------
-@policy_app.command("apply")
+@policy_app.command(cls=_FastCommand, name="apply")
 def policy_apply(
     ctx: typer.Context,
     filename: FileOpt,
@@ -429,7 +684,7 @@ def policy_apply(
         fail(EXIT.OTHER, f"warning: reconcile reported a problem: {rec.get('error')}")
 
 
-@policy_app.command("get")
+@policy_app.command(cls=_FastCommand, name="get")
 def policy_get(
     ctx: typer.Context,
     output: Annotated[Output, typer.Option("--output", "-o", help="output format")] =
@@ -458,7 +713,7 @@ def policy_get(
         _out().print(_policy_tables(doc))
 
 
-@policy_app.command("diff")
+@policy_app.command(cls=_FastCommand, name="diff")
 def policy_diff(ctx: typer.Context, filename: FileOpt) -> None:
     """Show what applying a file would change (unified diff of the canonical YAML).
 
@@ -471,6 +726,8 @@ def policy_diff(ctx: typer.Context, filename: FileOpt) -> None:
     if not res.get("changed"):
         typer.echo("no changes", err=True)
         return
+    from rich.text import Text
+
     out = _out()
     for line in str(res["diff"]).splitlines():
         style = ("bold" if line.startswith(("---", "+++")) else
@@ -480,7 +737,7 @@ def policy_diff(ctx: typer.Context, filename: FileOpt) -> None:
         out.print(Text(line, style=style))
 
 
-@policy_app.command("validate")
+@policy_app.command(cls=_FastCommand, name="validate")
 def policy_validate(
     ctx: typer.Context,
     filename: FileOpt,
@@ -518,7 +775,7 @@ def policy_validate(
                f"({', '.join(summary['classes'])}) on {summary['link']} at {summary['rate']}")
 
 
-@policy_app.command("history")
+@policy_app.command(cls=_FastCommand, name="history")
 def policy_history(
     ctx: typer.Context,
     output: Annotated[ListOutput, typer.Option("--output", "-o")] = ListOutput.table,
@@ -535,6 +792,8 @@ def policy_history(
         _json(res)
         return
     current = conn.request("GET", "/v1/status").get("policy_version")
+    from rich.table import Table
+
     t = Table(box=None, header_style="bold", pad_edge=False)
     for col in ("VERSION", "CREATED", "AUTHOR", "NOTE", "SHA256"):
         t.add_column(col, justify="right" if col == "VERSION" else "left")
@@ -548,7 +807,7 @@ def policy_history(
     _out().print(t)
 
 
-@policy_app.command("rollback")
+@policy_app.command(cls=_FastCommand, name="rollback")
 def policy_rollback(
     ctx: typer.Context,
     to: Annotated[int, typer.Option("--to", min=1, metavar="VERSION",
@@ -573,7 +832,7 @@ def policy_rollback(
 
 
 # -- status -------------------------------------------------------------------
-@app.command("status")
+@app.command(cls=_FastCommand, name="status")
 def status(
     ctx: typer.Context,
     output: Annotated[ListOutput, typer.Option("--output", "-o")] = ListOutput.table,
@@ -590,6 +849,9 @@ def status(
     if output is ListOutput.json:
         _json(st)
         return
+    from rich.table import Table
+    from rich.text import Text
+
     t = Table(box=None, show_header=False, pad_edge=False)
     t.add_column(style="bold")
     t.add_column(overflow="fold")
@@ -633,6 +895,9 @@ def status(
 
 def _sla_table(rows: list[dict[str, Any]]) -> Any:
     """SLA attainment per stage and class, as the sidecars last reported it."""
+    from rich.table import Table
+    from rich.text import Text
+
     t = Table(title="SLA attainment (last window reported by each sidecar)",
               title_justify="left", box=None, header_style="bold", pad_edge=False)
     for col in ("STAGE", "CLASS", "MODALITY", "FRAMES", "IN DEADLINE", "MISSES", "DROPS",
@@ -652,6 +917,8 @@ def _sla_table(rows: list[dict[str, Any]]) -> Any:
 
 def _uplink_table(dev: str, info: dict[str, Any]) -> Any:
     """Programs, then one row per class: BPF counters and HTB statistics."""
+    from rich.table import Table
+
     progs = ", ".join(f"{d} prog {p.get('prog_id')}" for d, p in
                       sorted((info.get("programs") or {}).items())) or "NO programs attached"
     t = Table(title=f"{dev}: {progs}", title_justify="left", box=None, header_style="bold",
@@ -687,7 +954,7 @@ def _size(n: Any) -> str:
 
 
 # -- flows --------------------------------------------------------------------
-@flows_app.command("top")
+@flows_app.command(cls=_FastCommand, name="top")
 def flows_top(
     ctx: typer.Context,
     n: Annotated[int, typer.Option("-n", "--count", min=1, max=1000,
@@ -719,6 +986,8 @@ def flows_top(
     if not watch:
         _out().print(_flows_table(fetch(), where))
         return
+    from rich.live import Live
+
     # qosd estimates rates between two samples: the first table shows 0
     with contextlib.suppress(KeyboardInterrupt), \
             Live(_flows_table(fetch(), where), console=_out(), auto_refresh=False,

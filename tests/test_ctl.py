@@ -8,8 +8,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -291,6 +293,94 @@ def test_exit_5_unreachable(tmp_path: Path) -> None:
         h.close()
 
 
+class RawServer:
+    """A unix socket that answers every connection with ``answer`` (raw bytes), then closes."""
+
+    def __init__(self, path: Path, answer: bytes) -> None:
+        self.path, self.answer = path, answer
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(8)
+        self.requests: list[bytes] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            with c:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = c.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                self.requests.append(data)
+                c.sendall(self.answer)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def http(status: str, body: bytes) -> bytes:
+    return f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+@pytest.mark.parametrize(("answer", "code", "message"), [
+    (b"", 5, "cannot reach qosd at unix socket"),  # closed without an answer
+    (b"SSH-2.0-OpenSSH\r\n", 5, "cannot reach qosd at unix socket"),  # not HTTP
+    (http("200 OK", b'{"a": 1}')[:-3], 5, "cannot reach qosd at unix socket"),  # cut short
+    (http("200 OK", b"hello"), 1, "error: qosd sent a non-JSON answer (200)"),
+    (http("502 Bad Gateway", b"no qosd\r\n"), 1, "error: qosd answered HTTP 502: no qosd"),
+    (http("404 Not Found", b'{"error": "not_found", "message": "gone"}'), 6,
+     "mmmeshctl: error: gone"),
+    (http("401 Unauthorized", b'{"error": "unauthorized", "message": "no"}'), 7,
+     "authentication failed"),
+])
+def test_broken_answers(tmp_path: Path, answer: bytes, code: int, message: str) -> None:
+    srv = RawServer(tmp_path / "raw.sock", answer)
+    try:
+        res = CliRunner().invoke(ctl.app, ["--socket", str(srv.path), "--timeout", "5",
+                                           "status"], env=ENV)
+    finally:
+        srv.close()
+    assert res.exit_code == code, res.output
+    assert message in res.stderr, res.stderr
+    assert res.stdout == ""
+
+
+def test_request_on_the_wire(tmp_path: Path, files: dict[str, str]) -> None:
+    srv = RawServer(tmp_path / "raw.sock",
+                    http("200 OK", b'{"version": 7, "reconcile": {"ok": true, "duration_s": 0.05}}'))
+    try:
+        res = CliRunner().invoke(ctl.app, ["--socket", str(srv.path), "policy", "apply", "-f",
+                                           files["a"], "--author", "zoë"], env=ENV)
+    finally:
+        srv.close()
+    assert (res.exit_code, res.stdout) == (0, "policy applied: version 7 (reconciled in 50 ms)\n")
+    head = srv.requests[0].partition(b"\r\n\r\n")[0]
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "PUT /v1/policy HTTP/1.1"
+    assert "Content-Type: application/json" in lines and "User-Agent: mmmeshctl/1" in lines
+    assert not any(ln.lower().startswith("authorization") for ln in lines)
+
+
+def test_server_urls(tcp_node: TcpNode) -> None:
+    bare = tcp_node.address.removeprefix("http://")
+    r = tcp_node.run("--server", bare, "--token", TOKEN, "status", "-o", "json")
+    assert r.code == 0 and json.loads(r.out)["node"] == "node-a", r  # http:// assumed
+    r = tcp_node.run("--server", tcp_node.address + "/", "--token", TOKEN, "status")
+    assert r.code == 0, r
+    for bad, why in (("ftp://127.0.0.1:1", "unsupported scheme"), ("http://:8470", "no host"),
+                     ("http://127.0.0.1:port", "bad --server URL")):
+        r = tcp_node.run("--server", bad, "status")
+        assert r.code == ctl.EXIT.USAGE and why in r.err, (bad, r)
+    assert tcp_node.service.calls.count("status") == 2
+
+
 def test_exit_6_not_found(node: Node, files: dict[str, str]) -> None:
     r = node.run("policy", "get")
     assert r.code == ctl.EXIT.NOT_FOUND == 6, r
@@ -358,6 +448,81 @@ def test_exit_2_usage(node: Node, tmp_path: Path) -> None:
     assert node.run("bogus").code == 2
     assert node.run("policy", "apply", "-f", str(tmp_path)).code == 2  # a directory
     assert node.service.calls == []  # nothing reached the daemon
+
+
+# --------------------------------------------------------------------------
+# Start-up cost (see the module docstring of mmmesh/ctl.py)
+# --------------------------------------------------------------------------
+HEAVY = ("httpx", "httpcore", "rich", "pydantic", "yaml", "mmmesh.policy", "typer._adapters")
+LOADED = (
+    "import json, sys\n"
+    "from mmmesh import ctl\n"
+    "try:\n"
+    "    ctl.main()\n"
+    "finally:\n"
+    "    print('\\nLOADED ' + json.dumps(sorted(m for m in sys.modules"
+    f" if m.startswith({HEAVY!r}))), file=sys.stderr)\n"
+)
+
+
+def test_commands_load_no_heavy_modules(node: Node, files: dict[str, str]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MMMESH_SOCKET": node.address}
+    env.pop("MMMESH_SERVER", None)
+    env.pop("MMMESH_TOKEN", None)
+
+    def loaded(*args: str) -> list[str]:
+        r = subprocess.run([sys.executable, "-c", LOADED, *args], check=False,
+                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+        assert r.returncode == 0, r
+        return list(json.loads(r.stderr.rpartition("LOADED ")[2]))
+
+    for args in (("policy", "apply", "-f", files["a"]), ("status", "-o", "json"),
+                 ("policy", "validate", "-f", files["a"]), ("policy", "get", "-o", "yaml"),
+                 ("policy", "rollback", "--to", "1"), ("flows", "top", "-o", "json", "-n", "2")):
+        assert loaded(*args) == [], args
+    # the check sees them when they are there: tables need rich, --local pydantic
+    assert "rich" in loaded("status")
+    assert "pydantic" in loaded("policy", "validate", "--local", "-f", files["a"])
+
+
+def test_fast_option_values_are_typers(tmp_path: Path) -> None:
+    """Every option value the pydantic-free path takes comes out as typer's own coercion."""
+    import typer.main
+    from typer._click import Context
+    from typer._click.exceptions import BadParameter
+    from typer._coercion import build_runtime_param
+
+    samples: list[Any] = ["0", "1", "7", "007", "+5", "-1", "-0", "1000", "1001", " 5", "5 ",
+                          "1_000", "1.0", "1.5", ".5", "5.", "0.1", "0.05", "1e3", "inf",
+                          "nan", "0x10", "\u0663", "", "x", "table", "json", "yaml", "JSON",
+                          "xml", "-", "/run/x.sock", True, False, 3, 3.5]
+
+    def outcome(rp: Any, value: Any, param: Any, ctx: Any) -> Any:
+        try:
+            out = rp.coerce(value, param=param, ctx=ctx)
+        except BadParameter as e:
+            return ("error", e.format_message())
+        return (type(out), out)
+
+    root = typer.main.get_command(ctl.app)
+    todo: list[Any] = [root]
+    checked = 0
+    while todo:
+        cmd = todo.pop()
+        todo.extend(getattr(cmd, "commands", {}).values())
+        ctx = Context(cmd, info_name=cmd.name)
+        params = cmd.get_params(ctx)
+        ctl._fast_params(params)
+        for p in params:
+            fast = getattr(p, "_runtime_param", None)
+            if not isinstance(fast, ctl._FastRuntimeParam):
+                continue
+            slow = build_runtime_param(p.type_descriptor)
+            for v in samples:
+                assert outcome(fast, v, p, ctx) == outcome(slow, v, p, ctx), (cmd.name, p.name, v)
+            checked += 1
+    # --socket --server --token --timeout, 8 commands' options, --help everywhere, ...
+    assert checked >= 30
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""What ``mmmeshctl`` itself adds to an operator's command, as whole processes.
+
+The issue's target is "policy apply latency (CLI call to kernel state changed)
+p99 < 200 ms"; the daemon's side of an apply is ~80 ms, so the CLI's own
+start-up (interpreter, imports, connecting) must stay small.  This starts the
+real admin API of qosd (``qosd.api.create_app`` over the in-test
+``StoreService`` of tests/test_api.py: a real PolicyStore, a pretend kernel),
+served by ``qosd.api.bind_uds`` on a temporary unix socket in a background
+thread of this process, and times ``--runs`` complete runs (process start to
+exit, output checked) of:
+
+  * ``python -c pass``                          the interpreter alone (same venv)
+  * ``python -c "import httpx, typer, rich"``   the floor of the old CLI: what it
+                                                imported before doing anything
+  * ``mmmeshctl --socket S status -o json``
+  * ``mmmeshctl --socket S policy validate -f examples/policy.yaml``
+  * ``mmmeshctl --socket S policy apply -f examples/policy.yaml``
+    (each run commits a new version in the temporary store)
+
+``mmmeshctl`` is the console script next to this interpreter (``python -m
+mmmesh.ctl`` when there is none).  With ``--before-rev REV`` the three CLI
+commands are also timed with ``mmmesh/ctl.py`` as it is in git revision REV
+(``git show``; run from a temporary directory, so nothing in the work tree
+changes).  The variants are interleaved run by run so that load on the machine
+hits all of them alike; one untimed warm-up run each comes first.
+
+Bytecode: an installed CLI runs from .pyc files (pip compiles them), while a
+work tree under ``PYTHONDONTWRITEBYTECODE=1`` compiles mmmesh/ctl.py (~10 ms)
+on every run.  By default (``--bytecode cache``) the children get a private
+``PYTHONPYCACHEPREFIX`` in the temporary directory (filled by the warm-up
+run), so every variant runs from bytecode as when installed and nothing is
+written to the work tree; ``--bytecode env`` leaves the environment as it is.
+
+Prints a table of p50/p99 ms, writes out/bench/ctl_startup.json (atomically).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from qosd import api
+from tests.test_api import StoreService
+
+POLICY = ROOT / "examples" / "policy.yaml"
+PY = sys.executable
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    s = sorted(xs)
+    if len(s) == 1:
+        return s[0]
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def stats(ms: list[float]) -> dict[str, Any]:
+    return {"n": len(ms), "p50_ms": round(percentile(ms, 50), 2),
+            "p99_ms": round(percentile(ms, 99), 2), "min_ms": round(min(ms), 2),
+            "max_ms": round(max(ms), 2)}
+
+
+def ctl_argv() -> list[str]:
+    script = Path(PY).parent / "mmmeshctl"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [PY, str(script)]
+    return [PY, "-m", "mmmesh.ctl"]
+
+
+def before_argv(rev: str, tmp: Path) -> list[str]:
+    """``mmmesh/ctl.py`` of git revision ``rev`` as a stand-alone module in ``tmp``."""
+    src = subprocess.run(["git", "show", f"{rev}:mmmesh/ctl.py"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    (tmp / "mmmeshctl_before.py").write_text(src)
+    # sys.argv[1:] are the CLI's arguments, as with the console script
+    code = (f"import sys; sys.path.insert(0, {str(tmp)!r}); "
+            "import mmmeshctl_before as m; m.main()")
+    return [PY, "-c", code]
+
+
+Check = Callable[[subprocess.CompletedProcess[str]], None]
+
+
+def expect_ok(what: str) -> Check:
+    def check(r: subprocess.CompletedProcess[str]) -> None:
+        if r.returncode != 0 or (what and what not in r.stdout):
+            raise SystemExit(f"unexpected result of {r.args}: exit {r.returncode}\n"
+                             f"stdout: {r.stdout[:500]}\nstderr: {r.stderr[:500]}")
+    return check
+
+
+def expect_json(r: subprocess.CompletedProcess[str]) -> None:
+    expect_ok("")(r)
+    if json.loads(r.stdout).get("node") != "node-a":
+        raise SystemExit(f"unexpected status: {r.stdout[:500]}")
+
+
+def run(runs: int, before_rev: str | None, bytecode: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMMESH_")}
+    with tempfile.TemporaryDirectory(prefix="ctl-startup-") as d:
+        tmp = Path(d)
+        if bytecode == "cache":
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+            env["PYTHONPYCACHEPREFIX"] = str(tmp / "pycache")
+        service = StoreService(tmp / "state")
+        sock = tmp / "qosd.sock"
+        server = api.bind_uds(api.create_app(service), sock)
+        server.start_thread()
+        try:
+            variants: dict[str, tuple[list[str], Check]] = {
+                "python -c pass": ([PY, "-c", "pass"], expect_ok("")),
+                "import httpx, typer, rich (old floor)":
+                    ([PY, "-c", "import httpx, typer, rich"], expect_ok("")),
+            }
+            clis = [("mmmeshctl", ctl_argv())]
+            if before_rev:
+                clis.insert(0, (f"mmmeshctl@{before_rev}", before_argv(before_rev, tmp)))
+            for label, argv in clis:
+                base = [*argv, "--socket", str(sock)]
+                variants[f"{label} status -o json"] = ([*base, "status", "-o", "json"],
+                                                       expect_json)
+                variants[f"{label} policy validate"] = (
+                    [*base, "policy", "validate", "-f", str(POLICY)], expect_ok(": valid: "))
+                variants[f"{label} policy apply"] = (
+                    [*base, "policy", "apply", "-f", str(POLICY), "--author", "bench"],
+                    expect_ok("policy applied: version "))
+            times: dict[str, list[float]] = {k: [] for k in variants}
+            for i in range(runs + 1):  # run 0: warm-up, not counted
+                for label, (argv, check) in variants.items():
+                    t0 = time.perf_counter()
+                    r = subprocess.run(argv, capture_output=True, text=True, env=env,
+                                       cwd=ROOT, check=False, timeout=60)
+                    dt = (time.perf_counter() - t0) * 1000.0
+                    check(r)
+                    if i:
+                        times[label].append(dt)
+        finally:
+            server.stop()
+    return {"runs": runs, "ctl": " ".join(ctl_argv()[1:]), "before_rev": before_rev,
+            "bytecode": bytecode,
+            "results": {k: {**stats(v), "samples_ms": [round(x, 2) for x in v]}
+                        for k, v in times.items()}}
+
+
+def atomic_write_json(path: Path, data: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=30, help="timed runs per command")
+    ap.add_argument("--before-rev", metavar="REV", default=None,
+                    help="also time mmmesh/ctl.py as of this git revision (e.g. HEAD~1)")
+    ap.add_argument("--bytecode", choices=("cache", "env"), default="cache",
+                    help="cache: run from .pyc files in a private PYTHONPYCACHEPREFIX, as an "
+                         "installed CLI does (default); env: the environment as it is")
+    ap.add_argument("--out", default=str(ROOT / "out" / "bench" / "ctl_startup.json"))
+    a = ap.parse_args(argv)
+    if a.runs < 1:
+        ap.error("--runs must be >= 1")
+    if a.before_rev and shutil.which("git") is None:
+        ap.error("--before-rev needs git")
+
+    r = run(a.runs, a.before_rev, a.bytecode)
+    print(f"whole-process wall time, {a.runs} runs each (qosd API on a unix socket, "
+          f"in-test StoreService; bytecode: {a.bytecode})")
+    width = max(len(k) for k in r["results"]) + 2
+    print(f"  {'command':<{width}}{'p50 ms':>9}{'p99 ms':>9}")
+    for label, s in r["results"].items():
+        print(f"  {label:<{width}}{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}")
+    atomic_write_json(Path(a.out), {
+        "bench": "ctl_startup",
+        "host": {"kernel": platform.release(), "cpus": os.cpu_count(),
+                 "python": platform.python_version()},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **r,
+    })
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
