@@ -17,7 +17,7 @@ import enum
 
 # Bump when a map layout, map set, or program section changes incompatibly.
 # A pinned dataplane with another ABI version is replaced, never adopted.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # --------------------------------------------------------------------------
 # Wire format (MMH v1), see docs/wire-format.md
@@ -246,7 +246,8 @@ class FlowKey(ctypes.Structure):
         ("sport", ctypes.c_uint16),  # be
         ("dport", ctypes.c_uint16),  # be
         ("proto", ctypes.c_uint8),
-        ("pad", ctypes.c_uint8 * 3),
+        ("dir", ctypes.c_uint8),  # DIR_EGRESS / DIR_INGRESS: the directions never mix
+        ("pad", ctypes.c_uint8 * 2),
     ]
 
 
@@ -283,6 +284,7 @@ class Meta(ctypes.Structure):
     _fields_ = [
         ("abi_version", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
+        ("build_id", ctypes.c_uint64),  # hash of the compiled source + cflags
     ]
 
 

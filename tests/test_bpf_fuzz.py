@@ -464,7 +464,12 @@ class Fuzzer:
         self.stats["frames"] += 1
         if v.verdict != "pass" or v.retval != 0:
             self.fail("verdict is not TC_ACT_OK", f, v, direction)
-        if v.class_id not in self.classid or v.priority != self.classid[v.class_id]:
+        if direction == "ingress":
+            # ingress classifies and counts but never sets skb->priority
+            if v.priority != 0 or (v.class_id and v.class_id not in self.classid):
+                self.fail("ingress set a priority or a class not in the policy", f, v,
+                          direction)
+        elif v.class_id not in self.classid or v.priority != self.classid[v.class_id]:
             if not (v.priority == 0 and v.class_id == 0):
                 self.fail("priority/class not from the policy", f, v, direction)
             else:  # a policy is loaded, so the default class always applies

@@ -139,6 +139,17 @@ def rows() -> Iterator[Row]:
               "control")
     yield Row("tcp other flow without header", tcp(b"x" * 100, sport=42000), "not_mesh",
               "best-effort")
+    yield Row("tcp mid-flow bytes like a broken header keep the flow's class",
+              tcp(b"MMH\x02" + b"c" * 60), "malformed", "control", "control")
+    yield Row("ingress header on the same 5-tuple learns an ingress flow only", tcp(
+        hdr(M.AUDIO, payload_len=10) + b"a" * 10), "parsed", "voice", "audio",
+        direction="ingress")
+    yield Row("egress flow unaffected by the ingress claim", tcp(b"c" * 100), "flow_hit",
+              "control", "control")
+    yield Row("FIN segment still has the flow's class", bytes(
+        Ether() / IP(src=SRC, dst=DST) / TCP(sport=41000, dport=7001, flags="FA")),
+        "flow_hit", "control", "control")
+    yield Row("after FIN the flow is gone", tcp(b"c" * 100), "not_mesh", "best-effort")
     # --- not mesh -----------------------------------------------------
     yield Row("udp random payload", udp(b"hello, world" * 3), "not_mesh", "best-effort")
     yield Row("udp empty payload", udp(b""), "not_mesh", "best-effort")
@@ -233,8 +244,10 @@ def test_packet_table(clf: object) -> None:
         want = ("pass", row.reason, row.cls, row.modality, row.clamped)
         if got != want:
             failures.append(f"{row.desc}: got {got}, want {want}")
-        if row.cls is not None:
+        if row.cls is not None and row.direction == "egress":
             assert v.priority == EXAMPLE.class_named(row.cls).classid, row.desc
+        elif row.direction == "ingress":
+            assert v.priority == 0, f"{row.desc}: ingress must not set skb->priority"
         if row.ref is not None:
             ref = classify_reference(EXAMPLE, **row.ref)  # type: ignore[arg-type]
             assert ref.name == row.cls, f"{row.desc}: reference says {ref.name}"
@@ -319,6 +332,14 @@ def test_policy_update_in_place_changes_verdicts() -> None:
         v = c.run(tcp(b"p" * 10, sport=45000))
         assert v.reason == "flow_hit" and v.class_id == smaller.default.id
         assert c.run(udp(hdr(M.POINT_CLOUD))).class_id == smaller.default.id
+
+        # a source rule added after a flow was learnt still clamps that flow
+        voice_flow = tcp(hdr(M.AUDIO, payload_len=10) + b"v" * 10, sport=46000, src=SRC)
+        assert c.run(voice_flow).class_ == "voice"
+        data["source_rules"] = [{"prefix": "10.0.1.0/24", "max_class": "video"}]
+        c.maps.write_policy(compile_policy(parse_policy(data), version=3))
+        v = c.run(tcp(b"v" * 10, sport=46000, src=SRC))
+        assert (v.reason, v.class_, v.clamped) == ("flow_hit", "video", True)
 
 
 def test_counters_count_per_class_and_reason() -> None:

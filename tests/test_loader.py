@@ -162,3 +162,24 @@ def test_real_traffic_moves_class_counters(veth: tuple[str, str]) -> None:
     assert st["reasons"]["egress"]["parsed"] >= 40
     assert st["reasons"]["egress"]["not_mesh"] >= 10
     assert st["classes"]["best-effort"]["egress_packets"] >= 10
+
+
+def test_other_build_is_replaced_not_adopted(veth: tuple[str, str]) -> None:
+    """A pinned dataplane from another build (older BPF code, other tunables)
+    is replaced; the swap happens only after the new one is pinned."""
+    from mmmesh.dataplane import loader
+    from mmmesh.dataplane._maps import Maps
+
+    ns_a, _ = veth
+    pol = policy_for("a0")
+    r1 = loader.up(pol, netns=ns_a)
+    maps = Maps.open_pinned(loader.pin_dir("a0", ns_a))
+    try:
+        maps.write_meta(build_id=12345)  # pretend an older build is pinned
+    finally:
+        maps.close()
+    r2 = loader.up(pol, netns=ns_a)
+    assert not r2.adopted and r2.prog_ids != r1.prog_ids
+    assert os.listdir(os.path.dirname(loader.pin_dir("a0", ns_a))) == ["a0"]  # no staging
+    r3 = loader.up(pol, netns=ns_a)
+    assert r3.adopted and r3.prog_ids == r2.prog_ids

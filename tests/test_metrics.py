@@ -99,7 +99,9 @@ t = socket.create_connection(("10.77.0.2", 7100), timeout=10)
 t.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 hdr = encode_header(Header(modality=3, stream_id=2, sequence=0, payload_len=3000))
 t.sendall(hdr + b"v" * 3000)
-t.close()
+# keep the connection open: a FIN would (rightly) remove the flow from the table
+print("sent", flush=True)
+time.sleep(300)
 """
 
 
@@ -115,6 +117,7 @@ def dataplane() -> Iterator[dict[str, Any]]:
     nl.create_netns(a)
     nl.create_netns(b)
     listener: subprocess.Popen[str] | None = None
+    sender: subprocess.Popen[str] | None = None
     try:
         with nl.Netlink(a) as n:
             n.add_veth("a0", "b0", b)
@@ -128,12 +131,16 @@ def dataplane() -> Iterator[dict[str, Any]]:
         listener = subprocess.Popen(["ip", "netns", "exec", b, sys.executable, "-c", LISTENER],
                                     stdout=subprocess.PIPE, text=True)
         assert listener.stdout is not None and listener.stdout.readline().strip() == "ready"
-        subprocess.run(["ip", "netns", "exec", a, sys.executable, "-c",
-                        SENDER.format(root=str(ROOT))], check=True, timeout=60)
-        listener.wait(timeout=30)
+        sender = subprocess.Popen(["ip", "netns", "exec", a, sys.executable, "-c",
+                                   SENDER.format(root=str(ROOT))], stdout=subprocess.PIPE,
+                                  text=True)
+        assert sender.stdout is not None and sender.stdout.readline().strip() == "sent"
         yield {"ns": a, "peer_ns": b, "policy": pol,
                "names": {c.id: c.name for c in pol.classes}}
     finally:
+        if sender is not None and sender.poll() is None:
+            sender.kill()
+            sender.wait()
         if listener is not None and listener.poll() is None:
             listener.kill()
             listener.wait()

@@ -6,7 +6,7 @@
 #ifndef MM_ABI_H
 #define MM_ABI_H
 
-#define MM_ABI_VERSION 1
+#define MM_ABI_VERSION 2
 #define MM_MAGIC_V1 0x4d4d4801
 #define MM_MAGIC_U24 0x4d4d48
 #define MM_VERSION 1
@@ -163,7 +163,8 @@ struct mm_flow_key {
 	__u16 sport;
 	__u16 dport;
 	__u8 proto;
-	__u8 pad[3];
+	__u8 dir;
+	__u8 pad[2];
 } __attribute__((aligned(2)));
 _Static_assert(sizeof(struct mm_flow_key) == 40, "mm_flow_key size");
 _Static_assert(__builtin_offsetof(struct mm_flow_key, saddr) == 0, "mm_flow_key.saddr");
@@ -171,7 +172,8 @@ _Static_assert(__builtin_offsetof(struct mm_flow_key, daddr) == 16, "mm_flow_key
 _Static_assert(__builtin_offsetof(struct mm_flow_key, sport) == 32, "mm_flow_key.sport");
 _Static_assert(__builtin_offsetof(struct mm_flow_key, dport) == 34, "mm_flow_key.dport");
 _Static_assert(__builtin_offsetof(struct mm_flow_key, proto) == 36, "mm_flow_key.proto");
-_Static_assert(__builtin_offsetof(struct mm_flow_key, pad) == 37, "mm_flow_key.pad");
+_Static_assert(__builtin_offsetof(struct mm_flow_key, dir) == 37, "mm_flow_key.dir");
+_Static_assert(__builtin_offsetof(struct mm_flow_key, pad) == 38, "mm_flow_key.pad");
 
 struct mm_flow_info {
 	__u64 last_seen_ns;
@@ -210,9 +212,11 @@ _Static_assert(__builtin_offsetof(struct mm_stats, cls) == 64, "mm_stats.cls");
 struct mm_meta {
 	__u32 abi_version;
 	__u32 flags;
-} __attribute__((aligned(4)));
-_Static_assert(sizeof(struct mm_meta) == 8, "mm_meta size");
+	__u64 build_id;
+} __attribute__((aligned(8)));
+_Static_assert(sizeof(struct mm_meta) == 16, "mm_meta size");
 _Static_assert(__builtin_offsetof(struct mm_meta, abi_version) == 0, "mm_meta.abi_version");
 _Static_assert(__builtin_offsetof(struct mm_meta, flags) == 4, "mm_meta.flags");
+_Static_assert(__builtin_offsetof(struct mm_meta, build_id) == 8, "mm_meta.build_id");
 
 #endif /* MM_ABI_H */

@@ -131,6 +131,9 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 	cid = cfg->default_class;
 
 	mm_parse(skb, &p);
+	/* Egress and ingress flows never share an entry: an inbound segment must
+	 * not be able to set the class of an outbound flow. */
+	p.key.dir = dir;
 	if (p.has_l4)
 		hs = mm_read_hdr(skb, &p, &h, &tv);
 
@@ -158,15 +161,20 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 				st->reason[MM_R_FLOW_UPDATE]++;
 			}
 		}
-	} else if (hs == MM_HDR_BAD) {
-		reason = MM_R_MALFORMED;
 	} else if (p.has_l4 && p.key.proto == MM_IPPROTO_TCP) {
+		/* No header (or, mid-flow, bytes that only look like a broken one:
+		 * counted as malformed, but the flow keeps its class). */
 		fl = flow_map.lookup(&p.key);
 		if (fl) {
-			reason = MM_R_FLOW_HIT;
-			cid = fl->class_id;
+			reason = hs == MM_HDR_BAD ? MM_R_MALFORMED : MM_R_FLOW_HIT;
 			modality = fl->modality;
+			/* Source rules may have changed since the flow was learnt. */
+			cid = mm_clamp(&p, cfg, fl->class_id, &flags);
+		} else if (hs == MM_HDR_BAD) {
+			reason = MM_R_MALFORMED;
 		}
+	} else if (hs == MM_HDR_BAD) {
+		reason = MM_R_MALFORMED;
 	}
 	if (fl) {
 		/* Per-flow counters are approximate by design: plain increments,
@@ -176,6 +184,9 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 		fl->last_seen_ns = mm_now_ns();
 		fl->packets++;
 		fl->bytes += skb->len;
+		/* FIN/RST: the connection ends here; a reused 5-tuple starts clean. */
+		if (p.tcp_fin_rst)
+			flow_map.delete(&p.key);
 	}
 
 	cid &= MM_MAX_CLASSES - 1;
@@ -186,11 +197,14 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 		ci = class_map.lookup(&cid);
 	}
 	if (ci && ci->valid) {
-		skb->priority = ci->classid;
-		if (dir == MM_DIR_EGRESS && ci->dscp != MM_DSCP_KEEP && p.l3 &&
-		    mm_set_dscp(skb, &p, ci->dscp)) {
-			flags |= MM_CBF_DSCP;
-			st->reason[MM_R_DSCP_REWRITE]++;
+		/* Egress only: on ingress, a priority that equals an HTB class id
+		 * would follow forwarded packets to other devices' qdiscs. */
+		if (dir == MM_DIR_EGRESS) {
+			skb->priority = ci->classid;
+			if (ci->dscp != MM_DSCP_KEEP && p.l3 && mm_set_dscp(skb, &p, ci->dscp)) {
+				flags |= MM_CBF_DSCP;
+				st->reason[MM_R_DSCP_REWRITE]++;
+			}
 		}
 	} else {
 		cid = 0; /* no policy loaded: leave the packet alone */

@@ -16,7 +16,7 @@ struct mm_pkt {
 	__u8 l3;          /* 4, 6, or 0 when not IP */
 	__u8 has_l4;      /* TCP or UDP header read */
 	__u8 tos;         /* IPv4 TOS / IPv6 traffic class */
-	__u8 pad;
+	__u8 tcp_fin_rst; /* TCP segment with FIN or RST: the flow ends */
 	struct mm_flow_key key; /* addresses IPv4-mapped, ports be */
 };
 
@@ -157,6 +157,7 @@ static __always_inline void mm_parse(struct __sk_buff *skb, struct mm_pkt *p)
 			return;
 		p->key.sport = th->source;
 		p->key.dport = th->dest;
+		p->tcp_fin_rst = th->fin | th->rst;
 		p->pay_off = off + doff;
 		/* l3_end, not skb->len: ingress frames may carry L2 padding. */
 		p->pay_len = l3_end > p->pay_off ? l3_end - p->pay_off : 0;

@@ -70,6 +70,19 @@ def cflags_for(tunables: dict[str, int] | None = None, extra: list[str] | None =
     return flags + list(extra or [])
 
 
+def build_id(tunables: dict[str, int] | None = None, extra: list[str] | None = None) -> int:
+    """A 64-bit id of what would be compiled: the inlined source and the
+    cflags.  Stamped into meta_map; a pinned dataplane with another build id
+    is replaced, so fixed BPF code or new tunables always get loaded."""
+    import hashlib
+
+    root = bpf_dir()
+    text = inline_source(root / "mm_tc.c", (root, root / "include"))
+    h = hashlib.sha256(text.encode())
+    h.update("\0".join(cflags_for(tunables, extra)).encode())
+    return int.from_bytes(h.digest()[:8], "little")
+
+
 @dataclass
 class LoadedObject:
     """Program and map fds of one freshly loaded copy (owned: close() them)."""

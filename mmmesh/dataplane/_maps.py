@@ -90,12 +90,16 @@ class Maps:
         cfg = self.config.lookup(0)
         return int(cfg.policy_version) if cfg is not None else 0
 
-    def write_meta(self) -> None:
-        self.meta.update(0, _abi.Meta(abi_version=_abi.ABI_VERSION))
+    def write_meta(self, build_id: int = 0) -> None:
+        self.meta.update(0, _abi.Meta(abi_version=_abi.ABI_VERSION, build_id=build_id))
 
     def abi_version(self) -> int:
         m = self.meta.lookup(0)
         return int(m.abi_version) if m is not None else 0
+
+    def build_id(self) -> int:
+        m = self.meta.lookup(0)
+        return int(m.build_id) if m is not None else 0
 
     # ------------------------------------------------------------ stats
     def read_stats(self) -> dict[str, DirectionStats]:

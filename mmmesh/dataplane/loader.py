@@ -76,48 +76,70 @@ class UpResult:
 def _unpin(directory: str) -> None:
     if not os.path.isdir(directory):
         return
-    for name in os.listdir(directory):
-        os.unlink(os.path.join(directory, name))
-    os.rmdir(directory)
-    parent = os.path.dirname(directory)
-    if parent != PIN_ROOT and os.path.isdir(parent) and not os.listdir(parent):
-        os.rmdir(parent)
+    try:
+        for name in os.listdir(directory):
+            os.unlink(os.path.join(directory, name))
+        os.rmdir(directory)
+        parent = os.path.dirname(directory)
+        if parent != PIN_ROOT and os.path.isdir(parent) and not os.listdir(parent):
+            os.rmdir(parent)
+    except OSError as e:
+        raise DataplaneError(e.errno or errno.EIO, f"unpin {directory}: {e}") from e
 
 
-def _pinned_compatible(directory: str) -> bool:
+def _pinned_state(directory: str, want_build: int) -> str:
+    """"adopt" (same ABI and build), "replace" (something else is pinned) or
+    "absent"."""
     if not os.path.isdir(directory):
-        return False
+        return "absent"
     needed = [*PROGRAMS.values(), *MAP_NAMES]
     if any(not os.path.exists(os.path.join(directory, n)) for n in needed):
-        return False
+        return "replace"
     try:
         maps = Maps.open_pinned(directory)
     except DataplaneError:
-        return False
+        return "replace"
     try:
-        return maps.abi_version() == _abi.ABI_VERSION
+        ok = maps.abi_version() == _abi.ABI_VERSION and maps.build_id() == want_build
     finally:
         maps.close()
+    return "adopt" if ok else "replace"
 
 
-def _load_and_pin(directory: str, tunables: dict[str, int] | None) -> None:
-    """Compiles and pins in a child process (bcc and clang cost ~100 MB that a
-    long-running caller should not keep), then stamps the ABI version."""
-    cmd = [sys.executable, "-m", "mmmesh.dataplane._bcc", directory]
+def _load_and_pin(directory: str, tunables: dict[str, int] | None, build: int) -> None:
+    """Compiles and pins into a staging directory in a child process (bcc and
+    clang cost ~100 MB that a long-running caller should not keep), stamps
+    it, and only then swaps it for whatever was pinned before: a failed
+    compile leaves a working dataplane reachable."""
+    # bpffs refuses names with a dot; '%' is not something ifnames use
+    staging = os.path.join(os.path.dirname(directory), "%new%" + os.path.basename(directory))
+    _unpin(staging)
+    cmd = [sys.executable, "-m", "mmmesh.dataplane._bcc", staging]
     for k, v in sorted((tunables or {}).items()):
         cmd += ["-D", f"{k}={int(v)}"]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise DataplaneError(errno.EIO, f"running the BPF compiler failed: {e}") from e
         if proc.returncode != 0:
             msg = (proc.stderr.strip().splitlines() or ["compiler process failed"])[-1]
             raise DataplaneError(errno.EINVAL, f"loading the BPF programs failed: {msg}")
-        maps = Maps.open_pinned(directory)
+        maps = Maps.open_pinned(staging)
         try:
-            maps.write_meta()
+            maps.write_meta(build)
         finally:
             maps.close()
+        try:
+            _unpin(directory)
+            os.rename(staging, directory)
+        except OSError as e:
+            raise DataplaneError(e.errno or errno.EIO, f"swap pins into {directory}: {e}") from e
     except BaseException:
-        _unpin(directory)
+        try:
+            _unpin(staging)
+        except OSError:
+            pass
         raise
 
 
@@ -131,13 +153,16 @@ def up(policy: Policy, iface: str | None = None, netns: str | None = None, *,
     directory = pin_dir(iface, netns)
     with Netlink(netns) as nl:
         idx = nl.ifindex(iface)
-        adopted = _pinned_compatible(directory)
+        from ._bcc import build_id  # source hashing only; bcc is not imported
+
+        build = build_id(tunables)
+        state = _pinned_state(directory, build)
+        adopted = state == "adopt"
         if not adopted:
-            if os.path.isdir(directory):
-                log.warning("replacing pinned dataplane at %s (incompatible or incomplete)",
-                            directory)
-                _unpin(directory)
-            _load_and_pin(directory, tunables)
+            if state == "replace":
+                log.warning("replacing the pinned dataplane at %s (other ABI or build, or "
+                            "incomplete)", directory)
+            _load_and_pin(directory, tunables, build)
         maps = Maps.open_pinned(directory)
         try:
             maps.write_policy(compiled)
