@@ -53,7 +53,15 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, core_schema
 
-from ._abi import DSCP_KEEP, HTB_MAJOR, MAX_CLASSES, MAX_RULES, MetaKind, Modality
+from ._abi import (
+    DEFAULT_MAX_SRC_RULES,
+    DSCP_KEEP,
+    HTB_MAJOR,
+    MAX_CLASSES,
+    MAX_RULES,
+    MetaKind,
+    Modality,
+)
 from ._errors import PolicyError
 
 __all__ = [
@@ -500,7 +508,9 @@ class Policy(_Model):
     link: Link
     classes: tuple[TrafficClass, ...]
     default_class: Slug = Field(description="class for frames no match takes")
-    source_rules: tuple[SourceRule, ...] = ()
+    source_rules: tuple[SourceRule, ...] = Field(
+        default=(), max_length=DEFAULT_MAX_SRC_RULES,
+        description=f"at most {DEFAULT_MAX_SRC_RULES} (the size of the dataplane's LPM map)")
 
     def __init__(self, /, **data: Any) -> None:
         try:

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from mmmesh._errors import DataplaneError, MeshError
 from mmmesh.dataplane import loader
 from mmmesh.dataplane._maps import Maps
-from mmmesh.dataplane._netlink import Netlink
+from mmmesh.dataplane import _bpf
+from mmmesh.dataplane._netlink import HTB_PARENT, HTB_ROOT, Netlink
 from mmmesh.policy import Policy
 
 from .config import QosdConfig
@@ -26,6 +27,20 @@ from .errors import UnrealizableError
 from .iface import PolicyVersion, ReconcileResult
 
 log = logging.getLogger("qosd.reconciler")
+
+
+def _pinned_prog_ids(pins: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d, name in loader.PROGRAMS.items():
+        try:
+            fd = _bpf.obj_get(os.path.join(pins, name))
+        except MeshError:
+            continue
+        try:
+            out[d] = int(_bpf.prog_info(fd).id)
+        finally:
+            os.close(fd)
+    return out
 
 
 class Reconciler:
@@ -130,16 +145,31 @@ class Reconciler:
                 return [f"device {dev} is gone"]
             idx = nl.ifindex(dev)
             filters = nl.bpf_filters(idx)
+            pinned = _pinned_prog_ids(pins)
             for d in ("egress", "ingress"):
                 if d not in filters:
                     found.append(f"{d} program detached")
+                elif pinned.get(d) and filters[d].get("prog_id") != pinned[d]:
+                    found.append(f"{d} hook runs program {filters[d].get('prog_id')}, "
+                                 f"not ours ({pinned[d]})")
+            if nl.root_qdisc(idx) != ("htb", HTB_ROOT):
+                found.append("HTB root qdisc missing or replaced")
+            elif nl._htb_default(idx) != pol.default.id:
+                found.append("HTB default class changed")
             classes = nl.htb_classes(idx)
+            link = int(pol.link.rate)
             for c in pol.classes:
                 h = classes.get(c.classid)
+                ceil = int(pol.ceil_of(c))
                 if h is None:
                     found.append(f"HTB class {c.handle} ({c.name}) missing")
-                elif h.get("prio") != c.priority or h.get("quantum") != c.quantum:
+                elif (h.get("prio") != c.priority or h.get("quantum") != c.quantum
+                      or h.get("rate_Bps") != int(c.rate) // 8
+                      or h.get("ceil_Bps") != ceil // 8):
                     found.append(f"HTB class {c.handle} ({c.name}) changed")
+            parent = classes.get(HTB_PARENT)
+            if parent is None or parent.get("rate_Bps") != link // 8:
+                found.append("HTB link class missing or changed")
         maps = Maps.open_pinned(pins)
         try:
             if maps.policy_version() != (pv.version & 0xFFFFFFFF):

@@ -54,20 +54,29 @@ class QosdService:
     # ---------------------------------------------------------- startup
     def start(self) -> ReconcileResult | None:
         """Adopts or loads the dataplane for the current version (or the
-        initial policy when the store is empty)."""
+        initial policy when the store is empty).  If that fails (an uplink not
+        up yet at boot), every resync tries again."""
         cur = self.store.current()
         if cur is None and self.cfg.initial_policy is not None:
             from mmmesh.policy import load_policy
 
             pol = load_policy(self.cfg.initial_policy)
             self.reconciler.check_realizable(pol)
-            cur = self.store.commit(pol, author="qosd", note="initial policy")
+            _, res = self._apply_policy(pol, None, "qosd", "initial policy", "startup")
+            return res
         if cur is None:
             log.info("no policy yet: waiting for one (mmmeshctl policy apply)")
             return None
         return self.reconciler.apply(cur, "startup")
 
     def resync(self) -> ReconcileResult | None:
+        if self.reconciler.last_good is None and (
+                self.store.current() is not None or self.cfg.initial_policy is not None):
+            try:
+                return self.start()
+            except MeshError as e:
+                log.warning("start-up reconcile still failing: %s", e)
+                return None
         res = self.reconciler.resync()
         if res is not None and self.metrics is not None and res.repaired:
             self.metrics.drift_repairs.inc(len(res.repaired))
@@ -106,8 +115,20 @@ class QosdService:
                 version=self.store.version + 1, policy=pol, text=pol.to_yaml(),
                 sha256="", created_at=time.time(), author=author, note=note,
             )
+            previous = self.reconciler.last_good
             res = self.reconciler.apply(candidate, trigger)
-            pv = self.store.commit(pol, base_version=base_version, author=author, note=note)
+            try:
+                pv = self.store.commit(pol, base_version=base_version, author=author, note=note)
+            except BaseException:
+                # The store did not take it: put the kernel back where the store
+                # is, so that the store's current version is the kernel's.
+                log.error("policy store refused the commit; restoring version %s in the kernel",
+                          previous.version if previous else "none")
+                if previous is not None:
+                    self.reconciler.apply(previous, "restore")
+                else:
+                    self.reconciler.last_good = None
+                raise
             if pv.version != candidate.version:  # pragma: no cover - store raced
                 res = self.reconciler.apply(pv, trigger)
             else:

@@ -230,6 +230,18 @@ def test_drift_is_repaired(node: Node, tmp_path: Path) -> None:
     assert st["last_reconcile"]["trigger"] == "resync"
     assert any("missing" in r for r in st["last_reconcile"]["repaired"])
 
+    # a rate changed by hand is drift too
+    voice = EXAMPLE.class_named("voice")
+    with Netlink(node.ns) as n:
+        n.ipr.tc("replace-class", "htb", n.ifindex("a0"), voice.classid, parent=HTB_PARENT,
+                 rate="50mbit", ceil="500mbit", prio=voice.priority, quantum=voice.quantum)
+    assert htb(node)[voice.classid]["rate_Bps"] == 50_000_000 // 8
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and \
+            htb(node)[voice.classid]["rate_Bps"] != int(voice.rate) // 8:
+        time.sleep(0.2)
+    assert htb(node)[voice.classid]["rate_Bps"] == int(voice.rate) // 8, node.log()
+
 
 def test_tcp_api_needs_the_token(node: Node) -> None:
     import httpx

@@ -197,8 +197,10 @@ class Map:
         return True
 
     def keys(self) -> Iterator[Any]:
+        """Keys in kernel order; at most max_entries of them (under LRU churn
+        get_next_key restarts from the first key when ``prev`` was evicted)."""
         prev: Any = None
-        while True:
+        for _ in range(self.max_entries):
             nxt = self.key_type()
             rc = _lib().bpf_map_get_next_key(
                 self.fd, None if prev is None else ctypes.byref(prev), ctypes.byref(nxt)

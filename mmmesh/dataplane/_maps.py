@@ -68,6 +68,13 @@ class Maps:
             want = cp.modalities.get(m)
             if want is not None:
                 self.modalities.update(m, want)
+        # Stale source prefixes go first, so a full swap never needs twice
+        # the map's capacity (a source may briefly be unclamped, never
+        # wrongly clamped).
+        want_src = {bytes(k) for k, _ in cp.sources}
+        for k in list(self.sources.keys()):
+            if bytes(k) not in want_src:
+                self.sources.delete(k)
         for k, v in cp.sources:
             self.sources.update(k, v)
         self.config.update(0, cp.config)
@@ -76,10 +83,6 @@ class Maps:
                 cur = self.modalities.lookup(m)
                 if cur is not None and cur.valid:
                     self.modalities.update(m, _abi.ModalityInfo())
-        want_src = {bytes(k) for k, _ in cp.sources}
-        for k in list(self.sources.keys()):
-            if bytes(k) not in want_src:
-                self.sources.delete(k)
         for cid in range(_abi.MAX_CLASSES):
             if cid not in cp.classes:
                 cur = self.classes.lookup(cid)
