@@ -694,6 +694,33 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     return app
 
 
+def create_sla_app(service: Service) -> FastAPI:
+    """The report-only API for sidecars: ``POST /v1/sla`` and ``/healthz``.
+
+    Served on its own unix socket (mode 0666 by default) so that model pods
+    can report without being able to touch policies: the admin socket stays
+    root-only."""
+    app = FastAPI(title="qosd SLA report API", version=API_VERSION,
+                  generate_unique_id_function=lambda route: route.name,
+                  docs_url=None, redoc_url=None)
+
+    @app.post("/v1/sla", response_model=SlaAccepted, responses={**_E413, **_E422},
+              summary="a sidecar's SLA measurements for its last window", tags=["sla"])
+    async def post_sla(body: SlaReport) -> SlaAccepted:
+        n = await run_in_threadpool(service.report_sla, body.model_dump(mode="json"))
+        return SlaAccepted(accepted=n)
+
+    @app.get("/healthz", response_model=Health, tags=["health"])
+    async def healthz() -> Health:
+        return Health(ok=True)
+
+    for exc_type, handler in [(RequestValidationError, _on_invalid_request),
+                              (StarletteHTTPException, _on_http)]:
+        app.add_exception_handler(exc_type, handler)
+    app.add_middleware(_Guard, token=None)
+    return app
+
+
 # --------------------------------------------------------------------------
 # OpenAPI document
 # --------------------------------------------------------------------------

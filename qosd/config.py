@@ -40,6 +40,9 @@ class QosdConfig(BaseSettings):
                             description="policy store (versions, history)")
     api_socket: Path = Field(default=Path("/run/mmmesh/qosd.sock"),
                              description="admin API unix socket (mode 0600)")
+    sla_socket: Path | None = Field(
+        default=Path("/run/mmmesh/sla.sock"),
+        description="report-only socket for sidecars (POST /v1/sla only, mode 0666)")
     api_tcp: str | None = Field(default=None,
                                 description="host:port for the admin API over TCP (token needed)")
     api_token: str | None = Field(default=None, description="bearer token for the TCP API")

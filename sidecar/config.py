@@ -85,7 +85,8 @@ class Limits(_M):
 
 
 class QosdLink(_M):
-    socket: Path | None = Field(default=Path("/run/mmmesh/qosd.sock"))
+    socket: Path | None = Field(default=Path("/run/mmmesh/sla.sock"),
+                                description="qosd's report-only socket (POST /v1/sla)")
     report_interval_s: float = Field(default=5.0, gt=0)
 
 

@@ -133,6 +133,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
         cfg.write_text(yaml.safe_dump({
             "node_name": "node-a", "netns": a, "state_dir": str(state),
             "api_socket": str(sock), "api_tcp": tcp, "api_token": "s3cret",
+            "sla_socket": str(tmp_path / "run" / "sla.sock"),
             "metrics_addr": f"127.0.0.1:{free_port()}", "resync_interval_s": 1.0,
         }))
         n = Node(a, b, tmp_path, cfg, sock, tcp, "s3cret")
@@ -406,3 +407,24 @@ def test_systemd_notify_ready_and_watchdog(node: Node, tmp_path: Path) -> None:
     finally:
         node.stop()
         recv.close()
+
+
+def test_sla_socket_takes_reports_but_no_policy(node: Node, tmp_path: Path) -> None:
+    """Sidecars (non-root model pods) report on a 0666 socket that cannot
+    change policies; the admin socket stays 0600."""
+    import httpx
+
+    node.start()
+    sla_sock = tmp_path / "run" / "sla.sock"
+    assert stat.S_IMODE(sla_sock.stat().st_mode) == 0o666
+    assert stat.S_IMODE(node.sock.stat().st_mode) == 0o600
+    body = {"stage": "audio-frontend", "reports": [
+        {"sla_class": "voice", "modality": "audio", "window_s": 5.0, "frames": 10,
+         "deadline_misses": 0, "drops": 0, "errors": 0, "attainment": 1.0}]}
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(sla_sock)), base_url="http://q",
+                      timeout=10) as c:
+        assert c.post("/v1/sla", json=body).status_code == 200
+        assert c.put("/v1/policy", json={"yaml": policy_yaml()}).status_code in (404, 405)
+        assert c.get("/v1/status").status_code == 404
+    st = node.get("/v1/status").json()
+    assert st["sla"][0]["stage"] == "audio-frontend"
