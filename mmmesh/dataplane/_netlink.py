@@ -62,7 +62,9 @@ HTB_ROOT = HTB_MAJOR << 16
 HTB_PARENT = HTB_ROOT | MAX_CLASSES  # 1:40, outside the policy ids 1..63
 DIRECTIONS = {"egress": PARENT_EGRESS, "ingress": PARENT_INGRESS}
 # Root qdiscs a device has when nobody configured it: safe to replace.
-DEFAULT_ROOT_KINDS = {None, "noqueue", "pfifo_fast", "mq", "fq_codel", "fq", "pfifo"}
+DEFAULT_ROOT_KINDS = {None, "noqueue", "pfifo_fast", "mq", "fq_codel"}
+# what distributions put under an mq root by default (net.core.default_qdisc)
+DEFAULT_MQ_CHILDREN = {"pfifo_fast", "fq_codel"}
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,16 @@ class Netlink:
     def apply_htb(self, idx: int, spec: HtbSpec, *, force: bool = False) -> None:
         kind, handle = self.root_qdisc(idx)
         ours = kind == "htb" and handle == HTB_ROOT
+        if kind == "mq" and not force:
+            # mq with fq children is a configuration (e.g. a bandwidth manager's)
+            kids = {q.get_attr("TCA_KIND") for q in self.ipr.get_qdiscs(index=idx)
+                    if q["parent"] != 0xFFFFFFFF and (q["parent"] >> 16) == (handle >> 16)}
+            if not kids <= DEFAULT_MQ_CHILDREN:
+                raise DataplaneError(
+                    errno.EBUSY,
+                    f"device has an mq root with {', '.join(sorted(map(str, kids)))} queues "
+                    "that mmmesh did not create; remove them or pass --force",
+                )
         if not ours and kind not in DEFAULT_ROOT_KINDS and not force:
             raise DataplaneError(
                 errno.EBUSY,
