@@ -96,3 +96,30 @@ def test_three_stage_chain_values_ids_and_timestamps() -> None:
         assert not [t for t in asyncio.all_tasks() if t.get_name().startswith(ours)]
 
     run(main())
+
+
+def test_python_runner_passes_the_header_to_functions_that_take_it() -> None:
+    """Stateful stages (fusion) need the stream id and sequence."""
+    import numpy as np
+
+    from mmmesh.wire import Header
+    from sidecar.config import RunnerConfig
+    from sidecar.iface import StageInput
+    from sidecar.runners import make_runner
+
+    async def go() -> tuple[object, object]:
+        r = make_runner(RunnerConfig(kind="python", target="examples.pipeline.stages:fusion"))
+        await r.start()
+        emb = np.ones(64, dtype=np.float32)
+        outs = []
+        for mod in (3, 4, 5):  # video, audio, point cloud of one (stream, sequence)
+            h = Header(modality=mod, stream_id=9, sequence=1)
+            outs.append(await r.infer(StageInput(h, emb, 0, "test")))
+        await r.close()
+        return outs[1], outs[2]
+
+    import asyncio
+
+    waiting, fused = asyncio.run(go())
+    assert waiting is None
+    assert fused is not None and fused.shape == (192,)

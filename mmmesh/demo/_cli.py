@@ -52,10 +52,19 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="voice SLA for the verdict line: p99 <= this, loss <= 1%% "
                              "(default 20)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="run the reference multimodal pipeline (sidecars with model "
+                             "stages on three nodes) and report SLA attainment per modality")
+    parser.add_argument("--flood", type=float, default=0.5,
+                        help="--pipeline: video flood as a fraction of the link (default 0.5)")
     parser.set_defaults(func=_run)
 
 
 def _run(a: argparse.Namespace) -> int:
+    if a.pipeline:
+        from .pipeline import run_from_args
+
+        return run_from_args(a)
     if os.geteuid() != 0:
         print("mmmesh demo: needs root (network namespaces, qdiscs and BPF); "
               "try: sudo scripts/demo.sh", file=sys.stderr)

@@ -732,7 +732,12 @@ def run_from_args(a: argparse.Namespace) -> int:
     cfg = PipelineConfig(rate_bps=a.rate, duration=a.duration,
                          flood_factor=getattr(a, "flood", PipelineConfig.flood_factor),
                          policy_path=getattr(a, "policy", None))
-    results = run_pipeline(cfg, progress)
+    try:
+        results = run_pipeline(cfg, progress)
+    except KeyboardInterrupt:
+        print("mmmesh pipeline demo: interrupted; namespaces and dataplane removed",
+              file=sys.stderr)
+        return 130
     out = os.path.abspath(getattr(a, "out", "out/demo"))
     path = report.write_json(os.path.join(out, "pipeline.json"), results)
     progress(f"wrote {path}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -41,19 +42,26 @@ def load_target(target: str) -> Callable[..., Any]:
 
 
 class PythonRunner:
-    """Calls ``function(array)``; a coroutine function is awaited on the loop,
-    a plain one runs in the runner's thread pool."""
+    """Calls ``function(array)`` — or ``function(array, header=...)`` when the
+    function takes a ``header`` parameter (stateful stages such as a fusion
+    stage need the stream id and sequence); a coroutine function is awaited on
+    the loop, a plain one runs in the runner's thread pool."""
 
     def __init__(self, cfg: RunnerConfig) -> None:
         self.cfg = cfg
         self.name = cfg.target
         self._fn: Callable[..., Any] | None = None
         self._async = False
+        self._wants_header = False
         self._pool: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
         self._fn = load_target(self.cfg.target)
         self._async = inspect.iscoroutinefunction(self._fn)
+        try:
+            self._wants_header = "header" in inspect.signature(self._fn).parameters
+        except (TypeError, ValueError):  # builtins without a signature
+            self._wants_header = False
         if not self._async:
             self._pool = ThreadPoolExecutor(max_workers=self.cfg.concurrency,
                                             thread_name_prefix="stage")
@@ -62,6 +70,8 @@ class PythonRunner:
         fn = self._fn
         if fn is None:
             raise RuntimeError("runner not started")
+        if self._wants_header:
+            fn = functools.partial(fn, header=inp.header)
         if self._async:
             result = await fn(inp.array)
         else:
