@@ -163,7 +163,9 @@ def main() -> int:
             httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=10)
             client.get("/v1/status")
         rss_steady = rss_mb(proc.pid)
-        bcc_loaded = "bcc" in Path(f"/proc/{proc.pid}/maps").read_text()
+        mapped = {ln.split()[-1] for ln in Path(f"/proc/{proc.pid}/maps").read_text()
+                  .splitlines() if "/" in ln}
+        bcc_loaded = any("libbcc" in m or "/bcc/" in m for m in mapped)
     finally:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
