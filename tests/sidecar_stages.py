@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -34,6 +35,16 @@ async def hang(x: np.ndarray) -> np.ndarray:
     """Never answers when the first element is 7 (else echoes)."""
     if x.size and x.flat[0] == 7:
         await asyncio.sleep(3600)
+    return x
+
+
+RELEASE = threading.Event()  # set by tests to let hung sync calls finish
+
+
+def hang_sync(x: np.ndarray) -> np.ndarray:
+    """A plain function that blocks its thread when the first element is 7."""
+    if x.size and x.flat[0] == 7:
+        RELEASE.wait(60)
     return x
 
 

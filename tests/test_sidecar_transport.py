@@ -447,3 +447,33 @@ def test_onnx_runner(tmp_path: object) -> None:
 
     y_ = run(main())
     np.testing.assert_array_equal(y_, np.arange(8, dtype=np.float32).reshape(2, 4) * 2)
+
+
+def test_a_hung_sync_stage_does_not_block_later_frames() -> None:
+    """A plain function that never returns: its frame times out (counted
+    error frame), its thread is abandoned, and the next frames go through."""
+    from tests import sidecar_stages
+
+    async def main() -> None:
+        sink = await Sink().start()
+        cfg = make_cfg("hs", "hang_sync", [out(sink.port)], timeout_s=0.3)
+        try:
+            async with Sidecar(cfg) as sc:
+                _, w = await connect(sc.port)
+                for seq, v in enumerate([7, 1, 2, 3]):
+                    a = np.array([v], dtype=np.int64)
+                    w.write(frame_bytes(tensor_header(a, stream_id=5, seq=seq), a))
+                await w.drain()
+                got = {g.header.sequence: g for g in await sink.get_n(4)}
+                assert got[0].header.error is not None
+                assert got[0].header.error[0] == ErrorCode.STAGE_TIMEOUT
+                for seq, v in ((1, 1), (2, 2), (3, 3)):
+                    assert got[seq].header.error is None, got[seq].header.error
+                    assert int(tensor_from_frame(got[seq].header, got[seq].payload)[0]) == v
+                assert sc.counters.stage.errors == {"STAGE_TIMEOUT": 1}
+                w.close()
+        finally:
+            sidecar_stages.RELEASE.set()
+            await sink.close()
+
+    run(main())

@@ -54,6 +54,7 @@ class PythonRunner:
         self._async = False
         self._wants_header = False
         self._pool: ThreadPoolExecutor | None = None
+        self.abandoned_threads = 0  # hung sync calls given up on (their threads leak)
 
     async def start(self) -> None:
         self._fn = load_target(self.cfg.target)
@@ -75,8 +76,22 @@ class PythonRunner:
         if self._async:
             result = await fn(inp.array)
         else:
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._pool, fn, inp.array)
+            assert self._pool is not None
+            cf = self._pool.submit(fn, inp.array)
+            try:
+                result = await asyncio.wrap_future(cf)
+            except asyncio.CancelledError:
+                # The stage's timeout gave up on this call.  A Python thread
+                # cannot be killed: if the call is still running, its thread
+                # is abandoned with the old pool, and later frames get a fresh
+                # pool instead of queueing behind a hung function.
+                if not cf.done() and self._pool is not None:
+                    self.abandoned_threads += 1
+                    old = self._pool
+                    self._pool = ThreadPoolExecutor(max_workers=self.cfg.concurrency,
+                                                    thread_name_prefix="stage")
+                    old.shutdown(wait=False, cancel_futures=True)
+                raise
             if inspect.isawaitable(result):
                 result = await result
         return None if result is None else np.asarray(result)
