@@ -155,18 +155,27 @@ class Stage:
         self._workers = []
 
     # -- the work --------------------------------------------------------------
+    MAX_BATCH = 32
+
     async def _worker(self) -> None:
         q = self.queue
+        batching = self.concurrency == 1 and getattr(self.runner, "batchable", False)
         while True:
-            item = await q.get()
+            items = [await q.get()]
+            while batching and len(items) < self.MAX_BATCH and not q.empty():
+                items.append(q.get_nowait())
             try:
-                await self.process(item)
+                if len(items) == 1:
+                    await self.process(items[0])
+                else:
+                    await self.process_batch(items)
             except asyncio.CancelledError:
                 raise
             except Exception:  # never die
                 log.exception("stage %s: unexpected error on a frame", self.cfg.stage)
             finally:
-                q.task_done()
+                for _ in items:
+                    q.task_done()
 
     def _sample(self, h: Header, *, queue_ns: int = 0, service_ns: int = 0,
                 dropped: bool = False, error: bool = False, sla_class: str | None = None,
@@ -198,6 +207,20 @@ class Stage:
         self._sample(h, dropped=True, sla_class=output.sla_class)
 
     async def process(self, f: InFrame) -> None:
+        prep = await self._prepare(f)
+        if prep is None:
+            return
+        array, start, span = prep
+        try:
+            out = await self._infer(f, array, start)
+        finally:
+            if span is not None:
+                span.end()
+        await self._finish(f, start, span, out)
+
+    async def _prepare(self, f: InFrame) -> tuple[np.ndarray, int, Any] | None:
+        """Everything before the runner; None when the frame is already dealt
+        with (forwarded, refused, or dropped for its deadline)."""
         c = self.counters
         c.frames += 1
         h = f.header
@@ -205,22 +228,22 @@ class Stage:
             c.errors[ErrorCode.UPSTREAM.name] += 1
             await self._fan_out(h, None, forward=True)
             self._sample(h, queue_ns=time.time_ns() - f.received_ns, error=True)
-            return
+            return None
         if h.flags & Flag.END_OF_STREAM and h.tensor is None and h.payload_len == 0:
             await self._fan_out(h, None, forward=True)
             self._sample(h, queue_ns=time.time_ns() - f.received_ns)
-            return
+            return None
         try:
             array = tensor_from_frame(h, f.payload)
         except ValueError as e:
             await self._fail(f, ErrorCode.BAD_INPUT, str(e))
-            return
+            return None
         start = time.time_ns()
         if (h.deadline_ns is not None and start > h.deadline_ns
                 and (f.transport == "udp" or self._realtime(h))):
             c.dropped_deadline += 1
             self._sample(h, queue_ns=start - f.received_ns, dropped=True, done_ns=start)
-            return
+            return None
 
         span = None
         if self._tracer is not None:
@@ -233,13 +256,15 @@ class Stage:
                 "mmmesh.stream_id": h.stream_id or 0,
                 "mmmesh.sequence": h.sequence or 0,
             })
-        try:
-            out = await self._infer(f, array, start)
-        finally:
-            if span is not None:
-                span.end()
+        return array, start, span
+
+    async def _finish(self, f: InFrame, start: int, span: Any,
+                      out: tuple[np.ndarray | None, int] | None) -> None:
+        """Everything after the runner: the output frames and the SLA sample."""
         if out is None:
             return
+        c = self.counters
+        h = f.header
         result, end = out
         traceparent = h.traceparent
         if span is not None:
@@ -250,6 +275,57 @@ class Stage:
             c.outputs += 1
             await self._fan_out(h, result, traceparent=traceparent)
         self._sample(h, queue_ns=start - f.received_ns, service_ns=end - start, done_ns=end)
+
+    async def process_batch(self, items: list[InFrame]) -> None:
+        """Frames that were waiting together go to a plain-function runner in
+        ONE thread hop (instead of one hop, two cross-CPU wake-ups, per frame),
+        in order.  Each frame keeps its own output, error frame and SLA sample.
+        If a frame hangs, the ones before it are delivered, it gets
+        STAGE_TIMEOUT, and the ones after it are run one by one."""
+        preps: list[tuple[InFrame, np.ndarray, int, Any]] = []
+        for f in items:
+            p = await self._prepare(f)
+            if p is not None:
+                preps.append((f, *p))
+        if not preps:
+            return
+        c = self.counters
+        c.in_flight += 1
+        c.max_in_flight = max(c.max_in_flight, c.in_flight)
+        inputs = [StageInput(header=f.header, array=a, received_ns=f.received_ns,
+                             source=f.source) for f, a, _, _ in preps]
+        done: list[tuple[bool, Any, int]] = []  # filled by the runner's thread, in order
+        timed_out = False
+        try:
+            async with asyncio.timeout(self.timeout * len(preps)):
+                await self.runner.infer_batch(inputs, done)  # type: ignore[attr-defined]
+        except TimeoutError:
+            timed_out = True
+        finally:
+            c.in_flight -= 1
+        n = len(done)
+        for (f, _, start, span), (ok, value, end) in zip(preps, done[:n]):
+            if span is not None:
+                span.end()
+            if not ok:
+                await self._fail(f, ErrorCode.STAGE_FAILED,
+                                 f"{type(value).__name__}: {value}", start=start)
+                continue
+            checked = await self._check_result(f, value, start)
+            await self._finish(f, start, span, None if checked is None else (checked[0], end))
+        if timed_out and n < len(preps):
+            f, _, start, span = preps[n]
+            if span is not None:
+                span.end()
+            await self._fail(f, ErrorCode.STAGE_TIMEOUT, f"no answer within {self.timeout:g}s",
+                             start=start)
+            for f, array, start, span in preps[n + 1:]:
+                try:
+                    out = await self._infer(f, array, start)
+                finally:
+                    if span is not None:
+                        span.end()
+                await self._finish(f, start, span, out)
 
     async def _infer(self, f: InFrame, array: np.ndarray,
                      start: int) -> tuple[np.ndarray | None, int] | None:
@@ -278,8 +354,14 @@ class Stage:
             return None
         c.in_flight -= 1
         end = time.time_ns()
+        checked = await self._check_result(f, result, start)
+        return None if checked is None else (checked[0], end)
+
+    async def _check_result(self, f: InFrame, result: Any,
+                            start: int) -> tuple[np.ndarray | None] | None:
+        """(array or None,) ready to frame, or None after a STAGE_FAILED frame."""
         if result is None:
-            return None, end
+            return (None,)
         try:
             result = np.asarray(result)
             if result.dtype.byteorder == ">":
@@ -290,7 +372,7 @@ class Stage:
         except (ValueError, TypeError) as e:
             await self._fail(f, ErrorCode.STAGE_FAILED, f"bad output: {e}", start=start)
             return None
-        return result, end
+        return (result,)
 
     # -- output framing --------------------------------------------------------
     def _out_header(self, o: Output, h: Header, result: np.ndarray | None,

@@ -12,6 +12,8 @@ import asyncio
 import importlib
 import functools
 import inspect
+import time
+import threading
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -95,6 +97,47 @@ class PythonRunner:
             if inspect.isawaitable(result):
                 result = await result
         return None if result is None else np.asarray(result)
+
+    @property
+    def batchable(self) -> bool:
+        """Plain functions: the stage may hand over queued frames in one hop."""
+        return self._fn is not None and not self._async
+
+    async def infer_batch(self, inputs: list[StageInput],
+                          done: list[tuple[bool, Any, int]]) -> None:
+        """Runs ``inputs`` in order in ONE thread hop, appending
+        (ok, result-or-exception, end ns) to ``done`` as each finishes, so a
+        caller that gives up (timeout) keeps what was finished; the inputs not
+        started by then are never started."""
+        fn = self._fn
+        if fn is None or self._async:
+            raise RuntimeError("infer_batch needs a started plain-function runner")
+        wants_header = self._wants_header
+        stop = threading.Event()
+
+        def run_all() -> None:
+            for inp in inputs:
+                if stop.is_set():
+                    return
+                try:
+                    r = fn(inp.array, header=inp.header) if wants_header else fn(inp.array)
+                    done.append((True, None if r is None else np.asarray(r), time.time_ns()))
+                except Exception as e:  # per input, like infer()
+                    done.append((False, e, time.time_ns()))
+
+        assert self._pool is not None
+        cf = self._pool.submit(run_all)
+        try:
+            await asyncio.wrap_future(cf)
+        except asyncio.CancelledError:
+            stop.set()
+            if not cf.done() and self._pool is not None:  # hung: see infer()
+                self.abandoned_threads += 1
+                old = self._pool
+                self._pool = ThreadPoolExecutor(max_workers=self.cfg.concurrency,
+                                                thread_name_prefix="stage")
+                old.shutdown(wait=False, cancel_futures=True)
+            raise
 
     async def close(self) -> None:
         if self._pool is not None:
