@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import math
 import os
-import signal
 import socket
 import sys
 import tempfile
@@ -40,13 +39,10 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import FrameType, TracebackType
-from typing import Any, Self
+from typing import Any
 
-from .._errors import DataplaneError
-from ..dataplane import _netlink
 from ..dataplane._netlink import Netlink
-from .testbed import Child, Ctl
+from .testbed import Child, Ctl, NetnsLab
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_DIR = REPO / "examples" / "pipeline"
@@ -134,16 +130,7 @@ def pipeline_policy(path: str | None, device: str, rate_bps: int) -> Any:
 # --------------------------------------------------------------------------
 # Topology
 # --------------------------------------------------------------------------
-def _sysctls(_ctl: Ctl, values: dict[str, str]) -> None:
-    for path, value in values.items():
-        try:
-            with open(os.path.join("/proc/sys", path), "w") as f:
-                f.write(value)
-        except FileNotFoundError:
-            pass
-
-
-class Topology:
+class Topology(NetnsLab):
     """Three namespaces (sensors, edge, core) joined by two veth links.
 
     Use as a context manager: processes started with :meth:`spawn` are
@@ -155,56 +142,18 @@ class Topology:
         self.sensors = f"{self.prefix}sensors"
         self.edge = f"{self.prefix}edge"
         self.core = f"{self.prefix}core"
-        self._created: list[str] = []
-        self._children: list[Child] = []
-        self._old: dict[int, Any] = {}
-        self._owner = os.getpid()
-        self._closed = False
+        self._init_lab()
 
     @property
     def namespaces(self) -> list[str]:
         return [self.sensors, self.edge, self.core]
 
-    def __enter__(self) -> Self:
-        self._install_signals()
-        try:
-            self.create()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
-    def _install_signals(self) -> None:
-        owner = self._owner
-
-        def on_term(signum: int, _f: FrameType | None) -> None:
-            if os.getpid() != owner:  # a forked helper inherited this handler
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-                return
-            raise KeyboardInterrupt(f"signal {signum}")
-
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            try:
-                self._old[sig] = signal.signal(sig, on_term)
-            except ValueError:  # not the main thread
-                break
+    @property
+    def uplink(self) -> tuple[str, str]:
+        return self.sensors, UPLINK
 
     def create(self) -> None:
-        existing = set(_netlink.list_netns())
-        for ns in self.namespaces:
-            if ns in existing:
-                raise DataplaneError(17, f"netns {ns} already exists")
-        for ns in self.namespaces:
-            _netlink.create_netns(ns)
-            self._created.append(ns)
-        no_v6 = {"net/ipv6/conf/all/disable_ipv6": "1", "net/ipv6/conf/default/disable_ipv6": "1"}
-        for ns in self.namespaces:
-            self.run(ns, "sysctl", _sysctls, no_v6, timeout=10.0)
+        self._create_namespaces({})
         with Netlink(self.sensors) as nl:
             nl.loopback_up()
             nl.add_veth(UPLINK, EDGE_IF, self.edge)
@@ -217,56 +166,6 @@ class Topology:
         with Netlink(self.core) as nl:
             nl.loopback_up()
             nl.configure(CORE_IF, f"{CORE_ADDR}/24")
-
-    def close(self) -> None:
-        if self._closed or os.getpid() != self._owner:
-            return
-        self._closed = True
-        try:
-            for c in self._children:
-                c.stop()
-            self._children.clear()
-            for ns in reversed(self._created):
-                _netlink.remove_netns(ns)
-            self._created.clear()
-        finally:
-            for sig, old in self._old.items():
-                try:
-                    signal.signal(sig, old)
-                except (ValueError, TypeError):
-                    pass
-            self._old.clear()
-
-    def spawn(self, ns: str, name: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Child:
-        c = Child(ns, name, fn, *args, **kw)
-        self._children.append(c)
-        return c
-
-    def reap(self, c: Child) -> None:
-        c.stop()
-        if c in self._children:
-            self._children.remove(c)
-
-    def run(self, ns: str, name: str, fn: Callable[..., Any], *args: Any,
-            timeout: float = 30.0, **kw: Any) -> Any:
-        c = self.spawn(ns, name, fn, *args, **kw)
-        try:
-            return c.result(timeout)
-        finally:
-            self.reap(c)
-
-    # shaping of the sensors' uplink
-    def shape_fifo(self, rate_bps: int, limit: int) -> None:
-        with Netlink(self.sensors) as nl:
-            nl.apply_fifo(nl.ifindex(UPLINK), rate_bps, limit)
-
-    def unshape(self) -> None:
-        with Netlink(self.sensors) as nl:
-            nl.remove_htb(nl.ifindex(UPLINK))
-
-    def htb_classes(self) -> dict[int, dict[str, Any]]:
-        with Netlink(self.sensors) as nl:
-            return nl.htb_classes(nl.ifindex(UPLINK))
 
 
 # --------------------------------------------------------------------------
@@ -635,7 +534,7 @@ def _one_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any], 
     if phase == "none":
         return run_phase(topo, cfg, stage_cfgs)
     if phase == "off":
-        topo.shape_fifo(cfg.rate_bps, cfg.fifo_limit)
+        topo.shape_uplink_fifo(cfg.rate_bps, cfg.fifo_limit)
         try:
             res = run_phase(topo, cfg, stage_cfgs)
             res["htb"] = {f"{k >> 16:x}:{k & 0xFFFF:x}": {"packets": v.get("packets", 0),

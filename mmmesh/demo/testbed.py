@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, Self
 
 from .._errors import DataplaneError
 from ..dataplane import _netlink
@@ -152,56 +152,39 @@ def _write_sysctls(_ctl: Ctl, values: dict[str, str]) -> None:
             pass
 
 
-@dataclass
-class Testbed:
-    """Nodes in network namespaces; use as a context manager.
+NO_IPV6 = {"net/ipv6/conf/all/disable_ipv6": "1", "net/ipv6/conf/default/disable_ipv6": "1"}
 
-    ``rate_bps`` is the uplink rate the demo shapes ``tx``'s uplink to (the
-    testbed itself leaves the device unshaped: see :meth:`shape_fifo` and
-    :func:`mmmesh.dataplane.loader.up`).
-    """
 
-    rate_bps: int = 300_000_000
-    nodes: int = 2
-    prefix: str = field(default_factory=lambda: f"mmd{os.getpid()}-")
-    tx: Node = field(init=False)
-    rx: Node = field(init=False)
-    pod: Node | None = field(init=False, default=None)
-    _created: list[str] = field(init=False, default_factory=list)
-    _children: list[Child] = field(init=False, default_factory=list)
-    _old_handlers: dict[int, Any] = field(init=False, default_factory=dict)
-    _closed: bool = field(init=False, default=False)
-    _owner: int = field(init=False, default_factory=os.getpid)
+class NetnsLab:
+    """What every namespace testbed of the demo shares: creating and removing
+    its namespaces, the processes it starts in them, turning SIGTERM/SIGHUP
+    into KeyboardInterrupt while it is up, and shaping its uplink.
 
-    def __post_init__(self) -> None:
-        if self.nodes not in (2, 3):
-            raise ValueError(f"nodes must be 2 or 3, got {self.nodes}")
-        self.tx = Node("tx", f"{self.prefix}tx", f"{UPLINK_NET}.1")
-        self.rx = Node("rx", f"{self.prefix}rx", f"{UPLINK_NET}.2")
-        if self.nodes == 3:
-            self.pod = Node("pod", f"{self.prefix}pod", f"{POD_NET}.2")
+    Subclasses call :meth:`_init_lab`, give ``namespaces`` and ``uplink``, and
+    build links in ``create()`` after :meth:`_create_namespaces`.  Use as a
+    context manager: everything is removed when the block ends."""
 
-    # ----------------------------------------------------------- topology
-    @property
-    def sender(self) -> Node:
-        """Where the model stages' senders run (the pod node if there is one)."""
-        return self.pod or self.tx
+    def _init_lab(self) -> None:
+        self._owner = os.getpid()
+        self._created: list[str] = []
+        self._children: list[Child] = []
+        self._old_handlers: dict[int, Any] = {}
+        self._closed = False
 
     @property
-    def receiver(self) -> Node:
-        return self.rx
+    def namespaces(self) -> list[str]:
+        raise NotImplementedError
 
     @property
     def uplink(self) -> tuple[str, str]:
         """(namespace, device) of the shaped uplink."""
-        return self.tx.ns, UPLINK
+        raise NotImplementedError
 
-    @property
-    def namespaces(self) -> list[str]:
-        return [n.ns for n in (self.tx, self.rx, self.pod) if n is not None]
+    def create(self) -> None:
+        raise NotImplementedError
 
     # ---------------------------------------------------------- lifecycle
-    def __enter__(self) -> Testbed:
+    def __enter__(self) -> Self:
         self._install_signal_handlers()
         try:
             self.create()
@@ -240,7 +223,10 @@ class Testbed:
                 pass
         self._old_handlers.clear()
 
-    def create(self) -> None:
+    def _create_namespaces(self, sysctls: dict[str, dict[str, str]]) -> None:
+        """Creates ``namespaces`` (refusing ones that exist) and writes each
+        namespace's sysctls (``sysctls[ns]``, default: IPv6 off, which keeps
+        router and neighbour solicitations out of the counters)."""
         existing = set(_netlink.list_netns())
         for ns in self.namespaces:
             if ns in existing:
@@ -249,34 +235,8 @@ class Testbed:
         for ns in self.namespaces:
             _netlink.create_netns(ns)
             self._created.append(ns)
-        # No IPv6 (keeps router/neighbour solicitations out of the counters);
-        # tx forwards for the pod node.
-        for node in (self.tx, self.rx, self.pod):
-            if node is None:
-                continue
-            values = {"net/ipv6/conf/all/disable_ipv6": "1",
-                      "net/ipv6/conf/default/disable_ipv6": "1"}
-            if node is self.tx and self.pod is not None:
-                values["net/ipv4/ip_forward"] = "1"
-            self.run(node.ns, "sysctl", _write_sysctls, values, timeout=10.0)
-
-        with Netlink(self.tx.ns) as nl:
-            nl.add_veth(UPLINK, RX_IF, self.rx.ns)
-            nl.loopback_up()
-            nl.configure(UPLINK, f"{self.tx.addr}/24")
-            if self.pod is not None:
-                nl.add_veth(POD_GW_IF, POD_IF, self.pod.ns)
-                nl.configure(POD_GW_IF, f"{POD_NET}.1/24")
-        with Netlink(self.rx.ns) as nl:
-            nl.loopback_up()
-            nl.configure(RX_IF, f"{self.rx.addr}/24")
-            if self.pod is not None:
-                nl.add_route(f"{POD_NET}.0/24", self.tx.addr)
-        if self.pod is not None:
-            with Netlink(self.pod.ns) as nl:
-                nl.loopback_up()
-                nl.configure(POD_IF, f"{self.pod.addr}/24")
-                nl.add_route(f"{UPLINK_NET}.0/24", f"{POD_NET}.1")
+        for ns in self.namespaces:
+            self.run(ns, "sysctl", _write_sysctls, sysctls.get(ns, NO_IPV6), timeout=10.0)
 
     def close(self) -> None:
         """Stops our processes and removes our namespaces (idempotent)."""
@@ -316,11 +276,11 @@ class Testbed:
             self.reap(child)
 
     # ------------------------------------------------------------ shaping
-    def shape_fifo(self, limit: int = 1000) -> None:
-        """'Mesh off': the uplink shaped to the same rate, one class, one FIFO."""
+    def shape_uplink_fifo(self, rate_bps: int, limit: int) -> None:
+        """'Mesh off': the uplink shaped to ``rate_bps``, one class, one FIFO."""
         ns, dev = self.uplink
         with Netlink(ns) as nl:
-            nl.apply_fifo(nl.ifindex(dev), self.rate_bps, limit)
+            nl.apply_fifo(nl.ifindex(dev), rate_bps, limit)
 
     def unshape(self) -> None:
         """Removes the HTB root from the uplink (if it is ours)."""
@@ -334,4 +294,77 @@ class Testbed:
             return nl.htb_classes(nl.ifindex(dev))
 
 
-__all__ = ["Child", "ChildError", "Ctl", "Node", "Testbed", "UPLINK"]
+@dataclass
+class Testbed(NetnsLab):
+    """Nodes in network namespaces; use as a context manager.
+
+    ``rate_bps`` is the uplink rate the demo shapes ``tx``'s uplink to (the
+    testbed itself leaves the device unshaped: see :meth:`shape_fifo` and
+    :func:`mmmesh.dataplane.loader.up`).
+    """
+
+    rate_bps: int = 300_000_000
+    nodes: int = 2
+    prefix: str = field(default_factory=lambda: f"mmd{os.getpid()}-")
+    tx: Node = field(init=False)
+    rx: Node = field(init=False)
+    pod: Node | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self._init_lab()
+        if self.nodes not in (2, 3):
+            raise ValueError(f"nodes must be 2 or 3, got {self.nodes}")
+        self.tx = Node("tx", f"{self.prefix}tx", f"{UPLINK_NET}.1")
+        self.rx = Node("rx", f"{self.prefix}rx", f"{UPLINK_NET}.2")
+        if self.nodes == 3:
+            self.pod = Node("pod", f"{self.prefix}pod", f"{POD_NET}.2")
+
+    # ----------------------------------------------------------- topology
+    @property
+    def sender(self) -> Node:
+        """Where the model stages' senders run (the pod node if there is one)."""
+        return self.pod or self.tx
+
+    @property
+    def receiver(self) -> Node:
+        return self.rx
+
+    @property
+    def uplink(self) -> tuple[str, str]:
+        return self.tx.ns, UPLINK
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [n.ns for n in (self.tx, self.rx, self.pod) if n is not None]
+
+    def create(self) -> None:
+        # tx forwards for the pod node
+        sysctls = {}
+        if self.pod is not None:
+            sysctls[self.tx.ns] = {**NO_IPV6, "net/ipv4/ip_forward": "1"}
+        self._create_namespaces(sysctls)
+
+        with Netlink(self.tx.ns) as nl:
+            nl.add_veth(UPLINK, RX_IF, self.rx.ns)
+            nl.loopback_up()
+            nl.configure(UPLINK, f"{self.tx.addr}/24")
+            if self.pod is not None:
+                nl.add_veth(POD_GW_IF, POD_IF, self.pod.ns)
+                nl.configure(POD_GW_IF, f"{POD_NET}.1/24")
+        with Netlink(self.rx.ns) as nl:
+            nl.loopback_up()
+            nl.configure(RX_IF, f"{self.rx.addr}/24")
+            if self.pod is not None:
+                nl.add_route(f"{POD_NET}.0/24", self.tx.addr)
+        if self.pod is not None:
+            with Netlink(self.pod.ns) as nl:
+                nl.loopback_up()
+                nl.configure(POD_IF, f"{self.pod.addr}/24")
+                nl.add_route(f"{UPLINK_NET}.0/24", f"{POD_NET}.1")
+
+    def shape_fifo(self, limit: int = 1000) -> None:
+        """'Mesh off': the uplink shaped to the same rate, one class, one FIFO."""
+        self.shape_uplink_fifo(self.rate_bps, limit)
+
+
+__all__ = ["Child", "ChildError", "Ctl", "NetnsLab", "Node", "Testbed", "UPLINK"]
