@@ -39,19 +39,18 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import platform
 import statistics
 import struct
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mmmesh._files import write_json  # noqa: E402
 from mmmesh.dataplane import _bpf  # noqa: E402
 from mmmesh.dataplane.classify import Classifier  # noqa: E402
 from mmmesh.policy import load_policy  # noqa: E402
@@ -212,23 +211,6 @@ def time_all(progs: dict[str, tuple[int, bytes]], repeat: int, rounds: int) -> d
     return out
 
 
-def atomic_write_json(path: Path, data: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=500_000, help="repetitions per test run")
@@ -308,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r["kind"] for r in results if not r["pass"]]
     print(f"{len(results) - len(failed)}/{len(results)} within target ({elapsed:.1f} s)")
 
-    atomic_write_json(Path(args.out), {
+    write_json(Path(args.out), {
         "tool": "bench/classifier.py",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "kernel": platform.release(),

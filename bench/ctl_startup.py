@@ -53,6 +53,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mmmesh._files import write_json  # noqa: E402
 from qosd import api
 from tests.test_api import StoreService
 
@@ -159,23 +160,6 @@ def run(runs: int, before_rev: str | None, bytecode: str) -> dict[str, Any]:
                         for k, v in times.items()}}
 
 
-def atomic_write_json(path: Path, data: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=30, help="timed runs per command")
@@ -198,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'command':<{width}}{'p50 ms':>9}{'p99 ms':>9}")
     for label, s in r["results"].items():
         print(f"  {label:<{width}}{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}")
-    atomic_write_json(Path(a.out), {
+    write_json(Path(a.out), {
         "bench": "ctl_startup",
         "host": {"kernel": platform.release(), "cpus": os.cpu_count(),
                  "python": platform.python_version()},

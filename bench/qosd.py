@@ -20,7 +20,6 @@ out/bench/qosd.json; exit 0 unless --strict and a target is missed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
+from mmmesh._files import write_json  # noqa: E402
 from mmmesh.dataplane import _netlink as nl  # noqa: E402
 from mmmesh.dataplane import loader  # noqa: E402
 from mmmesh.dataplane._maps import Maps  # noqa: E402
@@ -201,9 +201,7 @@ def main() -> int:
                       for k, (v, lim) in targets.items()}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmpf = out.with_suffix(".tmp")
-    tmpf.write_text(json.dumps(res, indent=2))
-    tmpf.replace(out)
+    write_json(out, res)
     ok = all(v["pass"] for v in res["targets"].values())
     return 0 if ok or not a.strict else 1
 

@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import platform
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from prometheus_client import generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from mmmesh._files import write_json  # noqa: E402
 from mmmesh import _abi  # noqa: E402
 from mmmesh.dataplane import _netlink as nl  # noqa: E402
 from mmmesh.dataplane import loader  # noqa: E402
@@ -105,23 +104,6 @@ def sample_value(text: bytes, name: str) -> float | None:
             if s.name == name:
                 return float(s.value)
     return None
-
-
-def atomic_write_json(path: Path, data: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def run(flows: int, reps: int) -> dict[str, Any]:
@@ -222,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target: p50 < {TARGET_MS:g} ms at {a.flows} flows: "
           f"{'PASS' if ok else 'FAIL'} ({r['full']['p50_ms']:.2f} ms)")
 
-    atomic_write_json(Path(a.out), {
+    write_json(Path(a.out), {
         "bench": "scrape", "target_ms": TARGET_MS, "pass": ok,
         "host": {"kernel": platform.release(), "cpus": os.cpu_count(),
                  "python": platform.python_version()},

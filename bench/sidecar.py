@@ -33,14 +33,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import multiprocessing as mp
 import os
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np
 
+from mmmesh._files import write_json  # noqa: E402
 from mmmesh._abi import DType, Modality
 from mmmesh.wire import Header, TensorSpec, encode_header
 
@@ -600,25 +599,6 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"  {'PASS' if ok else 'MISS'}  {k}"
                      f"   (async stage: {'PASS' if async_t[k] else 'MISS'})")
     return "\n".join(lines)
-
-
-def write_json(path: Path, res: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(res, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import ctypes
 from pathlib import Path
 
 from . import _abi
+from ._files import write_atomic
 
 HEADER_PATH = Path(__file__).resolve().parent.parent / "bpf" / "include" / "mm_abi.h"
 
@@ -77,6 +78,4 @@ def render() -> str:
 
 
 def write(path: Path = HEADER_PATH) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(render())
-    tmp.replace(path)
+    write_atomic(path, render())

@@ -11,9 +11,7 @@ file in the same directory, fsync, rename), after checking them with
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +22,7 @@ if __package__ in (None, ""):  # run as a script: make `examples.pipeline` impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.pipeline import stages
+from mmmesh import _files
 
 OPSET = 17  # ReduceMax takes `axes` as an attribute up to opset 17
 IR_VERSION = 8  # readable by onnxruntime >= 1.10
@@ -81,28 +80,7 @@ def _model(graph: onnx.GraphProto, doc: str) -> onnx.ModelProto:
 
 
 def write_atomic(model: onnx.ModelProto, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = model.SerializeToString()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return path
+    return _files.write_atomic(path, model.SerializeToString())
 
 
 def verify(lidar_path: Path, decoder_path: Path) -> None:

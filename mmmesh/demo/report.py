@@ -10,11 +10,11 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from .._files import write_atomic
 
 MODALITIES = ("voice", "video", "lidar")
 
@@ -113,24 +113,6 @@ def format_table(results: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------
 # Files
 # --------------------------------------------------------------------------
-def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def _jsonable(x: Any) -> Any:
     """NaN/inf -> None (strict JSON); private keys (leading '_') dropped."""
     if isinstance(x, float):
@@ -147,13 +129,7 @@ def to_json(results: dict[str, Any]) -> str:
 
 
 def write_json(path: str | os.PathLike[str], results: dict[str, Any]) -> Path:
-    p = Path(path)
-    text = to_json(results).encode() + b"\n"
-    def write(f: IO[bytes]) -> None:
-        f.write(text)
-
-    _atomic_write(p, write)
-    return p
+    return write_atomic(path, to_json(results) + "\n")
 
 
 def write_plot(path: str | os.PathLike[str], results: dict[str, Any]) -> Path:
@@ -211,7 +187,7 @@ def write_plot(path: str | os.PathLike[str], results: dict[str, Any]) -> Path:
     fig.tight_layout()
 
     p = Path(path)
-    _atomic_write(p, lambda f: fig.savefig(f, format="png", dpi=110))
+    write_atomic(p, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
     return p
 
