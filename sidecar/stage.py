@@ -210,7 +210,9 @@ class Stage:
         prep = await self._prepare(f)
         if prep is None:
             return
-        array, start, span = prep
+        await self._run_one(f, *prep)
+
+    async def _run_one(self, f: InFrame, array: np.ndarray, start: int, span: Any) -> None:
         try:
             out = await self._infer(f, array, start)
         finally:
@@ -320,12 +322,7 @@ class Stage:
             await self._fail(f, ErrorCode.STAGE_TIMEOUT, f"no answer within {self.timeout:g}s",
                              start=start)
             for f, array, start, span in preps[n + 1:]:
-                try:
-                    out = await self._infer(f, array, start)
-                finally:
-                    if span is not None:
-                        span.end()
-                await self._finish(f, start, span, out)
+                await self._run_one(f, array, start, span)
 
     async def _infer(self, f: InFrame, array: np.ndarray,
                      start: int) -> tuple[np.ndarray | None, int] | None:

@@ -9,6 +9,7 @@ but the thread stays busy until the call returns.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import functools
 import inspect
@@ -83,16 +84,7 @@ class PythonRunner:
             try:
                 result = await asyncio.wrap_future(cf)
             except asyncio.CancelledError:
-                # The stage's timeout gave up on this call.  A Python thread
-                # cannot be killed: if the call is still running, its thread
-                # is abandoned with the old pool, and later frames get a fresh
-                # pool instead of queueing behind a hung function.
-                if not cf.done() and self._pool is not None:
-                    self.abandoned_threads += 1
-                    old = self._pool
-                    self._pool = ThreadPoolExecutor(max_workers=self.cfg.concurrency,
-                                                    thread_name_prefix="stage")
-                    old.shutdown(wait=False, cancel_futures=True)
+                self._abandon_if_running(cf)
                 raise
             if inspect.isawaitable(result):
                 result = await result
@@ -131,13 +123,21 @@ class PythonRunner:
             await asyncio.wrap_future(cf)
         except asyncio.CancelledError:
             stop.set()
-            if not cf.done() and self._pool is not None:  # hung: see infer()
-                self.abandoned_threads += 1
-                old = self._pool
-                self._pool = ThreadPoolExecutor(max_workers=self.cfg.concurrency,
-                                                thread_name_prefix="stage")
-                old.shutdown(wait=False, cancel_futures=True)
+            self._abandon_if_running(cf)
             raise
+
+    def _abandon_if_running(self, cf: concurrent.futures.Future[Any]) -> None:
+        """The stage's timeout gave up on a call.  A Python thread cannot be
+        killed: if the call is still running, its thread is abandoned with the
+        old pool, and later frames get a fresh pool instead of queueing behind
+        a hung function."""
+        if cf.done() or self._pool is None:
+            return
+        self.abandoned_threads += 1
+        old = self._pool
+        self._pool = ThreadPoolExecutor(max_workers=self.cfg.concurrency,
+                                        thread_name_prefix="stage")
+        old.shutdown(wait=False, cancel_futures=True)
 
     async def close(self) -> None:
         if self._pool is not None:
