@@ -154,7 +154,7 @@ class Reconciler:
                                  f"not ours ({pinned[d]})")
             if nl.root_qdisc(idx) != ("htb", HTB_ROOT):
                 found.append("HTB root qdisc missing or replaced")
-            elif nl._htb_default(idx) != pol.default.id:
+            elif nl.htb_default(idx) != pol.default.id:
                 found.append("HTB default class changed")
             classes = nl.htb_classes(idx)
             link = int(pol.link.rate)

@@ -7,6 +7,8 @@ CI never goes green by skipping the dataplane."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -30,3 +32,32 @@ def require_privileged() -> None:
     if os.environ.get("CI"):
         pytest.fail(f"privileged test cannot run in CI: {problem}", pytrace=False)
     pytest.skip(problem)
+
+
+@contextmanager
+def veth_pair(prefix: str, net: str) -> Iterator[tuple[str, str]]:
+    """Namespaces ``<prefix>-a`` and ``<prefix>-b`` joined by a0 <-> b0 with
+    ``<net>.1/24`` and ``<net>.2/24``; the dataplane on a0 and both namespaces
+    are removed afterwards, also on failure."""
+    from mmmesh.dataplane import _netlink as nl
+    from mmmesh.dataplane import loader
+
+    a, b = f"{prefix}-a", f"{prefix}-b"
+    nl.create_netns(a)
+    nl.create_netns(b)
+    try:
+        with nl.Netlink(a) as n:
+            n.add_veth("a0", "b0", b)
+            n.loopback_up()
+            n.configure("a0", f"{net}.1/24")
+        with nl.Netlink(b) as n:
+            n.loopback_up()
+            n.configure("b0", f"{net}.2/24")
+        yield a, b
+    finally:
+        try:
+            loader.down("a0", a)
+        except Exception:
+            pass
+        nl.remove_netns(a)
+        nl.remove_netns(b)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mmmesh.policy import load_policy, parse_policy
-from tests.conftest import require_privileged
+from tests.conftest import require_privileged, veth_pair
 
 pytestmark = pytest.mark.privileged
 
@@ -39,30 +39,8 @@ def policy_for(dev: str, rate: str = "500mbit", drop: str | None = None,
 def veth() -> Iterator[tuple[str, str]]:
     """Namespaces A and B joined by a0 <-> b0 (10.77.0.1/24, 10.77.0.2/24)."""
     require_privileged()
-    from mmmesh.dataplane import _netlink as nl
-
-    prefix = f"mmt{os.getpid()}"
-    a, b = f"{prefix}-a", f"{prefix}-b"
-    nl.create_netns(a)
-    nl.create_netns(b)
-    try:
-        with nl.Netlink(a) as n:
-            n.add_veth("a0", "b0", b)
-            n.loopback_up()
-            n.configure("a0", "10.77.0.1/24")
-        with nl.Netlink(b) as n:
-            n.loopback_up()
-            n.configure("b0", "10.77.0.2/24")
-        yield a, b
-    finally:
-        try:
-            from mmmesh.dataplane import loader
-
-            loader.down("a0", a)
-        except Exception:
-            pass
-        nl.remove_netns(a)
-        nl.remove_netns(b)
+    with veth_pair(f"mmt{os.getpid()}", "10.77.0") as pair:
+        yield pair
 
 
 def test_up_adopt_reconcile_down(veth: tuple[str, str]) -> None:

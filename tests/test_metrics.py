@@ -39,7 +39,7 @@ from qosd.metrics import (
     parse_addr,
     serve_metrics,
 )
-from tests.conftest import require_privileged
+from tests.conftest import require_privileged, veth_pair
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "docs" / "grafana" / "mmmesh-dashboard.json"
@@ -109,47 +109,28 @@ time.sleep(300)
 def dataplane() -> Iterator[dict[str, Any]]:
     """Namespaces A and B joined by a0 <-> b0, the dataplane up on a0, traffic sent."""
     require_privileged()
-    from mmmesh.dataplane import _netlink as nl
     from mmmesh.dataplane import loader
 
-    prefix = f"mmm{os.getpid()}"
-    a, b = f"{prefix}-a", f"{prefix}-b"
-    nl.create_netns(a)
-    nl.create_netns(b)
     listener: subprocess.Popen[str] | None = None
     sender: subprocess.Popen[str] | None = None
-    try:
-        with nl.Netlink(a) as n:
-            n.add_veth("a0", "b0", b)
-            n.loopback_up()
-            n.configure("a0", "10.77.0.1/24")
-        with nl.Netlink(b) as n:
-            n.loopback_up()
-            n.configure("b0", "10.77.0.2/24")
-        pol = policy_for("a0")
-        loader.up(pol, netns=a, version=7)
-        listener = subprocess.Popen(["ip", "netns", "exec", b, sys.executable, "-c", LISTENER],
-                                    stdout=subprocess.PIPE, text=True)
-        assert listener.stdout is not None and listener.stdout.readline().strip() == "ready"
-        sender = subprocess.Popen(["ip", "netns", "exec", a, sys.executable, "-c",
-                                   SENDER.format(root=str(ROOT))], stdout=subprocess.PIPE,
-                                  text=True)
-        assert sender.stdout is not None and sender.stdout.readline().strip() == "sent"
-        yield {"ns": a, "peer_ns": b, "policy": pol,
-               "names": {c.id: c.name for c in pol.classes}}
-    finally:
-        if sender is not None and sender.poll() is None:
-            sender.kill()
-            sender.wait()
-        if listener is not None and listener.poll() is None:
-            listener.kill()
-            listener.wait()
+    with veth_pair(f"mmm{os.getpid()}", "10.77.0") as (a, b):
         try:
-            loader.down("a0", a)
-        except Exception:
-            pass
-        nl.remove_netns(a)
-        nl.remove_netns(b)
+            pol = policy_for("a0")
+            loader.up(pol, netns=a, version=7)
+            listener = subprocess.Popen(["ip", "netns", "exec", b, sys.executable, "-c",
+                                         LISTENER], stdout=subprocess.PIPE, text=True)
+            assert listener.stdout is not None and listener.stdout.readline().strip() == "ready"
+            sender = subprocess.Popen(["ip", "netns", "exec", a, sys.executable, "-c",
+                                       SENDER.format(root=str(ROOT))], stdout=subprocess.PIPE,
+                                      text=True)
+            assert sender.stdout is not None and sender.stdout.readline().strip() == "sent"
+            yield {"ns": a, "peer_ns": b, "policy": pol,
+                   "names": {c.id: c.name for c in pol.classes}}
+        finally:
+            for proc in (sender, listener):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
 
 
 def test_scrape_shows_real_traffic(dataplane: dict[str, Any]) -> None:

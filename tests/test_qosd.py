@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from mmmesh.policy import load_policy, parse_policy
-from tests.conftest import require_privileged
+from tests.conftest import require_privileged, veth_pair
 
 pytestmark = pytest.mark.privileged
 
@@ -110,22 +110,7 @@ class Node:
 @pytest.fixture()
 def node(tmp_path: Path) -> Iterator[Node]:
     require_privileged()
-    from mmmesh.dataplane import _netlink as nl
-    from mmmesh.dataplane import loader
-
-    prefix = f"mmq{os.getpid() % 100000}"
-    a, b = f"{prefix}-a", f"{prefix}-b"
-    nl.create_netns(a)
-    nl.create_netns(b)
-    n: Node | None = None
-    try:
-        with nl.Netlink(a) as x:
-            x.add_veth("a0", "b0", b)
-            x.loopback_up()
-            x.configure("a0", "10.78.0.1/24")
-        with nl.Netlink(b) as x:
-            x.loopback_up()
-            x.configure("b0", "10.78.0.2/24")
+    with veth_pair(f"mmq{os.getpid() % 100000}", "10.78.0") as (a, b):
         state = tmp_path / "state"
         sock = tmp_path / "run" / "qosd.sock"
         tcp = f"127.0.0.1:{free_port()}"
@@ -137,16 +122,10 @@ def node(tmp_path: Path) -> Iterator[Node]:
             "metrics_addr": f"127.0.0.1:{free_port()}", "resync_interval_s": 1.0,
         }))
         n = Node(a, b, tmp_path, cfg, sock, tcp, "s3cret")
-        yield n
-    finally:
-        if n is not None:
-            n.stop(signal.SIGKILL)
         try:
-            loader.down("a0", a)
-        except Exception:
-            pass
-        nl.remove_netns(a)
-        nl.remove_netns(b)
+            yield n
+        finally:
+            n.stop(signal.SIGKILL)
 
 
 def htb(node: Node) -> dict[int, dict[str, object]]:

@@ -267,7 +267,7 @@ class Netlink:
             if ours:
                 # sch_htb has no change op: the default class can only be set at
                 # creation, so a new default means a new root.
-                if self._htb_default(idx) != spec.default_minor:
+                if self.htb_default(idx) != spec.default_minor:
                     self.ipr.tc("del", "htb", idx, HTB_ROOT)
                     ours = False
             if not ours:
@@ -308,7 +308,8 @@ class Netlink:
             if (q["parent"] >> 16) == HTB_MAJOR and q.get_attr("TCA_KIND") in ("fq_codel", "pfifo")
         }
 
-    def _htb_default(self, idx: int) -> int | None:
+    def htb_default(self, idx: int) -> int | None:
+        """The minor of the HTB root's default class (None without our root)."""
         for q in self.ipr.get_qdiscs(index=idx):
             if q.get_attr("TCA_KIND") == "htb" and q["handle"] == HTB_ROOT:
                 opts = q.get_attr("TCA_OPTIONS")
