@@ -78,10 +78,16 @@ class Limits(_M):
     max_frame_bytes: int = Field(default=64 << 20, ge=1024, description="larger frames: "
                                  "connection closed as malformed")
     inbound_queue: int = Field(default=64, ge=1, description="frames waiting for the stage")
+    inbound_queue_mb: int = Field(default=8, ge=0, description="payload MiB waiting for the "
+                                  "stage (0: no byte bound; one frame always fits)")
     outbound_queue: int = Field(default=64, ge=1, description="frames waiting per downstream")
+    outbound_queue_mb: int = Field(default=8, ge=0, description="payload MiB waiting per "
+                                   "downstream (0: no byte bound; one frame always fits)")
     read_timeout_s: float = Field(default=30.0, gt=0, description="a peer stalled mid-frame "
                                   "longer than this is disconnected")
     drain_timeout_s: float = Field(default=10.0, gt=0)
+    buffer_pool_mb: int = Field(default=64, ge=0, le=4096, description="receive buffers of "
+                                "large frames kept for reuse (0: allocate per frame)")
 
 
 class QosdLink(_M):

@@ -32,7 +32,14 @@ from .config import SidecarConfig, load_config
 from .iface import Runner, SlaSink
 from .runners import make_runner
 from .stage import NullSink, Stage, StageCounters, realtime_predicate
-from .transport import FrameSender, FrameServer, InFrame, SenderCounters, ServerCounters
+from .transport import (
+    FrameSender,
+    FrameServer,
+    InFrame,
+    SenderCounters,
+    ServerCounters,
+    inframe_queue,
+)
 
 __all__ = ["Sidecar", "SidecarCounters", "main"]
 
@@ -100,7 +107,7 @@ class Sidecar:
         try:
             self.runner = self._runner or make_runner(cfg.runner)
             await self.runner.start()
-            self.queue = asyncio.Queue(cfg.limits.inbound_queue)
+            self.queue = inframe_queue(cfg.limits)
             for o in cfg.outputs:
                 s = FrameSender(o, cfg.limits, backoff_max=self._backoff_max,
                                 on_drop=self._on_out_drop)

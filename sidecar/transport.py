@@ -6,7 +6,10 @@ Headers are read into a 64 KiB staging buffer (several small frames per
 ``recv``); a payload that is already in the staging buffer is copied out once;
 one that is not is read by the kernel straight into a buffer allocated for it
 (``recv_into``), so every payload byte is copied at most once in user space.
-A complete frame goes to a bounded ``asyncio.Queue``.  When the queue is full
+Those buffers come from a ``BufferPool`` and are reused once nothing refers to
+them any more (no page faults per frame; see ``sidecar/bufpool.py``).
+A complete frame goes to a ``FrameQueue`` (bounded in frames and in payload
+bytes: memory, and cache-warm hand-over of big frames).  When the queue is full
 the connection's coroutine waits in ``queue.put`` and does not read: the
 kernel's receive window fills and TCP flow control stops the sender.  Frames
 the ``realtime`` predicate selects are dropped (and counted) instead.
@@ -51,14 +54,17 @@ from mmmesh import _abi
 from mmmesh._errors import WireError
 from mmmesh.wire import Header, decode_frame, decode_header, frame
 
+from .bufpool import BufferPool
 from .config import Limits, Listen, Output
 
 __all__ = [
     "FrameSender",
+    "FrameQueue",
     "FrameServer",
     "InFrame",
     "SenderCounters",
     "ServerCounters",
+    "inframe_queue",
     "split_hostport",
 ]
 
@@ -70,6 +76,40 @@ _MAGIC_V1 = _abi.MMH_MAGIC + bytes([_abi.MMH_VERSION])
 _PLEN = struct.Struct("!I")
 _EMPTY = memoryview(b"")
 _MAX_DATAGRAM = 65507
+
+
+class FrameQueue(asyncio.Queue):  # type: ignore[type-arg]
+    """An ``asyncio.Queue`` bounded in frames AND in payload bytes.
+
+    A count alone does not bound memory: 64 queued 64 MiB frames are 4 GiB.
+    The queue is full when it holds ``maxsize`` frames or at least
+    ``max_bytes`` of payload; it always admits a frame when empty, so a frame
+    bigger than ``max_bytes`` still passes, one at a time.  Built on the
+    ``_put``/``_get`` hooks asyncio's own queue subclasses use."""
+
+    def __init__(self, maxsize: int, max_bytes: int, size: Callable[[Any], int]) -> None:
+        super().__init__(maxsize)
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._size = size
+
+    def _put(self, item: Any) -> None:
+        super()._put(item)  # type: ignore[misc]
+        self.bytes += self._size(item)
+
+    def _get(self) -> Any:
+        item = super()._get()  # type: ignore[misc]
+        self.bytes -= self._size(item)
+        return item
+
+    def full(self) -> bool:
+        return super().full() or (self.bytes >= self.max_bytes > 0 and not self.empty())
+
+
+def inframe_queue(limits: Limits) -> FrameQueue:
+    """The inbound queue: ``limits.inbound_queue`` frames, ``inbound_queue_mb``."""
+    return FrameQueue(limits.inbound_queue, limits.inbound_queue_mb << 20,
+                      lambda f: len(f.payload))
 
 
 def split_hostport(addr: str) -> tuple[str, int]:
@@ -152,7 +192,8 @@ class InFrame:
     """A received frame; what the stage turns into an ``iface.StageInput``."""
 
     header: Header
-    payload: memoryview  # owned by this frame (not a reused buffer)
+    payload: memoryview  # this frame's alone (a pooled buffer is reused only once
+    #                      nothing refers to it: sidecar/bufpool.py)
     received_ns: int  # time.time_ns() when the whole frame had arrived
     source: str  # "host:port" of the peer
     transport: str = "tcp"  # "tcp" | "udp"
@@ -227,6 +268,7 @@ class FrameServer:
         self.port: int | None = None
         self.udp_port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.pool = BufferPool(limits.buffer_pool_mb << 20)
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -410,10 +452,9 @@ class FrameServer:
                     c.mid_frame = False
                     await self._deliver(c, header, payload)
                     continue
-                # payload not all here: read the rest straight into its own buffer
-                # np.empty, not bytearray(n): no zero-fill pass over a buffer that
-                # recv_into overwrites anyway (~10 % on 4 MiB frames)
-                pmv = memoryview(np.empty(plen, dtype=np.uint8)).cast("B")
+                # payload not all here: read the rest straight into a buffer of
+                # its own, from the pool (no page faults on a fresh allocation)
+                pmv = self.pool.get(plen)
                 pmv[:have] = mv[pstart:pstart + have]
                 start = end = 0
                 got = have
@@ -570,7 +611,7 @@ class FrameSender:
         self.backoff_max = backoff_max
         self.connect_timeout = connect_timeout
         self._on_drop = on_drop
-        self._queue: asyncio.Queue[_OutFrame] | None = None
+        self._queue: FrameQueue | None = None
         self._task: asyncio.Task[None] | None = None
         self._sock: socket.socket | None = None
         self._dead = False
@@ -588,7 +629,8 @@ class FrameSender:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._queue = asyncio.Queue(self.limits.outbound_queue)
+        self._queue = FrameQueue(self.limits.outbound_queue, self.limits.outbound_queue_mb << 20,
+                                 lambda item: item.header.payload_len)
         run = self._run_udp if self.output.transport == "udp" else self._run_tcp
         self._task = self._loop.create_task(run(), name=f"sender-{self.output.name}")
 
@@ -601,7 +643,7 @@ class FrameSender:
             if header.deadline_ns is not None and time.time_ns() > header.deadline_ns:
                 self._drop(header, "deadline")
                 return False
-            if q.full():  # real-time: the freshest frame is worth most; drop the oldest
+            while q.full():  # real-time: the freshest frame is worth most; drop the oldest
                 old = q.get_nowait()
                 q.task_done()
                 self._drop(old.header, "overload")

@@ -38,6 +38,15 @@ async def hang(x: np.ndarray) -> np.ndarray:
     return x
 
 
+KEPT: list[np.ndarray] = []  # inputs kept by ``keep`` (tests clear it)
+
+
+def keep(x: np.ndarray) -> np.ndarray:
+    """Keeps every input, as a stateful stage (fusion, a reorder window) does."""
+    KEPT.append(x)
+    return x
+
+
 RELEASE = threading.Event()  # set by tests to let hung sync calls finish
 
 

@@ -1,0 +1,144 @@
+"""Large-frame memory on the sidecar's receive path: pooled page-aligned
+buffers are reused only when nothing refers to them, and queues are bounded
+in bytes as well as in frames."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from sidecar.bufpool import BufferPool
+from sidecar.main import Sidecar
+from sidecar.transport import FrameQueue
+from tests import sidecar_stages
+from tests.sidecar_stages import Sink, connect, frame_bytes, make_cfg, out, run, tensor_header
+
+MiB = 1 << 20
+
+
+def _addr(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def test_pool_reuses_a_buffer_only_when_nothing_refers_to_it() -> None:
+    pool = BufferPool(16 * MiB)
+    a = pool.get(4 * MiB)
+    assert len(a) == 4 * MiB and not a.readonly
+    assert _addr(a) % 4096 == 0  # page-aligned: the kernel's copies are faster
+    a_addr = _addr(a)
+    arr = np.frombuffer(a, dtype=np.uint32)  # a stage's view of the payload
+    arr[:] = 0xA5A5A5A5
+    del a
+    b = pool.get(4 * MiB)  # `arr` still refers to the first buffer
+    assert _addr(b) != a_addr
+    np.frombuffer(b, dtype=np.uint8)[:] = 0
+    assert (arr == 0xA5A5A5A5).all(), "a buffer still in use was handed out again"
+    del arr
+    c = pool.get(3 * MiB)  # same size class: the free buffer comes back
+    assert _addr(c) == a_addr and len(c) == 3 * MiB
+    assert pool.hits == 1 and pool.misses == 2
+
+
+def test_pool_prefers_the_buffer_freed_last_and_stays_within_budget() -> None:
+    pool = BufferPool(8 * MiB)
+    a, b = pool.get(4 * MiB), pool.get(4 * MiB)
+    a_addr, b_addr = _addr(a), _addr(b)
+    c = pool.get(4 * MiB)  # budget full, both busy: an unpooled buffer
+    assert pool.owned_bytes == 8 * MiB and pool.snapshot()["buffers"] == 2
+    assert _addr(c) not in (a_addr, b_addr)
+    del a, b, c
+    assert _addr(pool.get(4 * MiB)) == b_addr  # handed out last
+    assert pool.in_use() == 0
+    small = pool.get(100_000)  # another size: idle big buffers are let go to fit it
+    assert len(small) == 100_000 and pool.owned_bytes <= 8 * MiB
+    assert pool.snapshot()["buffers"] == 2  # one 4 MiB evicted, one 128 KiB added
+
+
+def test_frame_queue_is_bounded_in_bytes_and_passes_an_oversized_frame_alone() -> None:
+    async def main() -> None:
+        q = FrameQueue(100, 1000, len)
+        q.put_nowait(b"x" * 600)
+        assert not q.full()
+        q.put_nowait(b"x" * 600)  # over the byte budget now: full
+        assert q.full() and q.bytes == 1200
+        waiter = asyncio.create_task(q.put(b"y" * 10))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        q.get_nowait()
+        await asyncio.wait_for(waiter, 1)
+        assert q.bytes == 610
+        q.get_nowait(), q.get_nowait()
+        assert q.empty() and q.bytes == 0
+        q.put_nowait(b"z" * 5000)  # bigger than the budget: fits when alone
+        assert q.full()
+
+    run(main())
+
+
+def test_a_stage_that_keeps_its_inputs_keeps_them_intact() -> None:
+    """Frames bigger than the staging buffer land in pooled buffers; a stage
+    that holds on to its inputs must never see them overwritten by later
+    frames, and buffers come back into use once it lets go."""
+    sidecar_stages.KEPT.clear()
+    n, size = 24, 256 * 1024
+
+    async def main() -> None:
+        sink = await Sink().start()
+        cfg = make_cfg("keeper", "keep", [out(sink.port)], limits={"buffer_pool_mb": 2})
+        async with Sidecar(cfg) as sc:
+            _, w = await connect(sc.port)
+            for i in range(n):
+                a = np.full(size // 4, i, dtype=np.uint32)
+                w.write(frame_bytes(tensor_header(a, seq=i), a))
+            await w.drain()
+            got = await sink.get_n(n, timeout=10)
+            assert [f.header.sequence for f in got] == list(range(n))
+            assert len(sidecar_stages.KEPT) == n
+            for i, x in enumerate(sidecar_stages.KEPT):
+                assert (x == i).all(), f"kept input {i} was overwritten"
+            pool = sc.server.pool
+            assert pool.owned_bytes <= 2 * MiB and pool.hits == 0  # all were still held
+            sidecar_stages.KEPT.clear()
+            del got
+            for i in range(n):
+                a = np.full(size // 4, 1000 + i, dtype=np.uint32)
+                w.write(frame_bytes(tensor_header(a, seq=n + i), a))
+            await w.drain()
+            later = await sink.get_n(n, timeout=10)
+            for i, f in enumerate(later):
+                assert (np.frombuffer(f.payload, dtype=np.uint32) == 1000 + i).all()
+            assert pool.hits > 0, pool.snapshot()  # let go: reused
+            w.close()
+        sidecar_stages.KEPT.clear()
+        await sink.close()
+
+    run(main())
+
+
+def test_inbound_queue_holds_at_most_its_byte_budget() -> None:
+    """A slow stage and 256 KiB frames: with a 1 MiB inbound budget at most
+    four frames wait (plus the one that crossed it), not the 64 the frame
+    count would allow; every frame still arrives, in order."""
+    n, size = 30, 256 * 1024
+
+    async def main() -> None:
+        sink = await Sink().start()
+        cfg = make_cfg("slow", "slow", [out(sink.port)],
+                       limits={"inbound_queue": 64, "inbound_queue_mb": 1})
+        async with Sidecar(cfg) as sc:
+            _, w = await connect(sc.port)
+            payload = np.zeros(size, dtype=np.uint8)
+            for i in range(n):
+                w.write(frame_bytes(tensor_header(payload, seq=i), payload))
+            await w.drain()
+            got = await sink.get_n(n, timeout=20)
+            assert [f.header.sequence for f in got] == list(range(n))
+            assert all(int(np.frombuffer(f.payload, dtype=np.int64)[0]) == size for f in got)
+            hwm = sc.counters.server.queue_hwm
+            assert 2 <= hwm <= 5, f"inbound queue held {hwm} frames of 256 KiB"
+            assert sc.counters.server.backpressure_waits > 0
+            w.close()
+        await sink.close()
+
+    run(main())
