@@ -57,8 +57,8 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np
 
-from mmmesh._files import write_json  # noqa: E402
 from mmmesh._abi import DType, Modality
+from mmmesh._files import write_json
 from mmmesh.wire import Header, TensorSpec, encode_header
 
 MiB = 1 << 20

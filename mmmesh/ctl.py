@@ -889,29 +889,35 @@ def status(
     for dev, info in (st.get("uplinks") or {}).items():
         if isinstance(info, dict) and info.get("loaded"):
             out.print(_uplink_table(dev, info))
-    if st.get("sla"):
-        out.print(_sla_table(st["sla"]))
+    sla = st.get("sla") or {}
+    if isinstance(sla, dict) and sla.get("stages"):
+        out.print(_sla_table(sla["stages"], "SLA attainment per stage (last window of each "
+                                            "sidecar, replicas merged)", per_stage=True))
+        out.print(_sla_table(sla.get("classes") or [], "SLA per class, node-wide (every "
+                                                       "stage merged)", per_stage=False))
 
 
-def _sla_table(rows: list[dict[str, Any]]) -> Any:
-    """SLA attainment per stage and class, as the sidecars last reported it."""
+def _sla_table(rows: list[dict[str, Any]], title: str, *, per_stage: bool) -> Any:
+    """Merged SLA rows (api.SlaMerged): one per stage and class, or per class."""
     from rich.table import Table
     from rich.text import Text
 
-    t = Table(title="SLA attainment (last window reported by each sidecar)",
-              title_justify="left", box=None, header_style="bold", pad_edge=False)
-    for col in ("STAGE", "CLASS", "MODALITY", "FRAMES", "IN DEADLINE", "MISSES", "DROPS",
-                "ERRORS", "E2E P50", "E2E P99", "AGE"):
+    t = Table(title=title, title_justify="left", box=None, header_style="bold", pad_edge=False)
+    cols = (("STAGE",) if per_stage else ()) + (
+        "CLASS", "MODALITY", "SIDECARS" if per_stage else "WINDOWS", "FRAMES", "IN DEADLINE",
+        "MISSES", "DROPS", "ERRORS", "E2E P50", "E2E P99", "AGE")
+    for col in cols:
         t.add_column(col, justify="left" if col in ("STAGE", "CLASS", "MODALITY") else "right")
     for r in rows:
         e2e = r.get("e2e_ms") or {}
         att = float(r.get("attainment", 1.0))
-        t.add_row(str(r.get("stage")), str(r.get("sla_class")), str(r.get("modality")),
-                  str(r.get("frames")), Text(f"{att * 100:.1f}%",
-                                             style="" if att >= 0.99 else "red"),
-                  str(r.get("deadline_misses")), str(r.get("drops")), str(r.get("errors")),
-                  f"{e2e['p50']:.1f} ms" if e2e else "-",
-                  f"{e2e['p99']:.1f} ms" if e2e else "-", _ago(r.get("received_at")))
+        cells = ([str(r.get("stage"))] if per_stage else []) + [
+            str(r.get("sla_class")), str(r.get("modality")), str(r.get("sources")),
+            str(r.get("frames")), Text(f"{att * 100:.1f}%", style="" if att >= 0.99 else "red"),
+            str(r.get("deadline_misses")), str(r.get("drops")), str(r.get("errors")),
+            f"{e2e['p50']:.1f} ms" if e2e else "-",
+            f"{e2e['p99']:.1f} ms" if e2e else "-", _ago(r.get("received_at"))]
+        t.add_row(*cells)
     return t
 
 

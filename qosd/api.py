@@ -198,6 +198,9 @@ class SlaReport(BaseModel):
 
     node: str | None = Field(default=None, max_length=253)
     stage: str = Field(min_length=1, max_length=128)
+    instance: str | None = Field(default=None, max_length=253,
+                                 description="which sidecar of the stage (replicas of a stage "
+                                             "are kept apart and merged); default: one per stage")
     reports: list[SlaClassReport] = Field(max_length=256)
 
 
@@ -211,11 +214,35 @@ class SlaAccepted(BaseModel):
 
 class SlaEntry(SlaClassReport):
     stage: str
+    instance: str | None
+    node: str | None = None
     received_at: float = Field(description="unix seconds")
 
 
+class SlaMerged(BaseModel):
+    """Windows of several sidecars merged: counts summed, attainment
+    frame-weighted, e2e quantiles from the merged DDSketches."""
+
+    stage: str | None = Field(default=None, description="absent in the node-wide class view")
+    sla_class: str
+    modality: str
+    sources: int = Field(description="windows merged (sidecar instances, times stages)")
+    window_s: float
+    frames: int
+    deadline_misses: int
+    drops: int
+    errors: int
+    attainment: float
+    e2e_ms: Quantiles | None
+    sketch_e2e: str | None = None
+    received_at: float = Field(description="unix seconds, the newest merged window")
+
+
 class SlaView(BaseModel):
-    stages: list[SlaEntry] = Field(description="latest window per (stage, class, modality)")
+    instances: list[SlaEntry] = Field(description="latest window per (stage, instance, class, "
+                                                  "modality), as the sidecars reported it")
+    stages: list[SlaMerged] = Field(description="per (stage, class, modality), replicas merged")
+    classes: list[SlaMerged] = Field(description="per (class, modality), node-wide")
 
 
 class VersionInfo(_Response):
@@ -270,6 +297,7 @@ class Status(_Response):
     store_problems: list[str]
     started_at: float
     adopted: bool
+    sla: SlaView | None = None
 
 
 class Flow(_Response):
@@ -647,11 +675,11 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
         n = await run_in_threadpool(service.report_sla, body.model_dump(mode="json"))
         return SlaAccepted(accepted=n)
 
-    @v1.get("/sla", response_model=SlaView, summary="latest SLA window per stage and class",
+    @v1.get("/sla", response_model=SlaView, summary="latest SLA windows: per sidecar, per stage "
+            "(replicas merged), per class (node-wide)",
             tags=["sla"])
     async def get_sla() -> SlaView:
-        rows = await run_in_threadpool(service.sla)
-        return SlaView(stages=[SlaEntry.model_validate(r) for r in rows])
+        return SlaView.model_validate(await run_in_threadpool(service.sla))
 
     app.include_router(v1)
 

@@ -89,8 +89,8 @@ class Service(Protocol):
         """Keeps a sidecar's window (api.SlaReport as a dict); returns how many
         (class, modality) entries were taken."""
         ...
-    def sla(self) -> list[dict[str, Any]]:
-        """The latest window per (stage, class, modality): api.SlaEntry dicts."""
+    def sla(self) -> dict[str, list[dict[str, Any]]]:
+        """{"instances", "stages", "classes"}: an api.SlaView (qosd/slaboard.py)."""
         ...
     def healthy(self) -> bool: ...  # process is alive and serving
     def ready(self) -> bool: ...  # dataplane loaded and a policy reconciled

@@ -26,6 +26,7 @@ from .config import QosdConfig
 from .errors import ConflictError
 from .iface import FlowRow, PolicyVersion, ReconcileResult
 from .reconciler import Reconciler
+from .slaboard import SlaBoard
 from .store import PolicyStore
 
 log = logging.getLogger("qosd.service")
@@ -48,8 +49,7 @@ class QosdService:
         self._write_lock = threading.Lock()
         self._flow_prev: dict[bytes, tuple[int, float]] = {}
         self._flow_lock = threading.Lock()
-        self._sla: dict[tuple[str, str, str], dict[str, Any]] = {}
-        self._sla_lock = threading.Lock()
+        self.sla_board = SlaBoard()
 
     # ---------------------------------------------------------- startup
     def start(self) -> ReconcileResult | None:
@@ -173,7 +173,7 @@ class QosdService:
             "store_problems": list(self.store.problems),
             "started_at": self.started_at,
             "adopted": self.reconciler.adopted,
-            "sla": self.sla(),
+            "sla": self.sla(),  # {"instances", "stages", "classes"}
         }
 
     def top_flows(self, n: int = 20) -> list[FlowRow]:
@@ -219,22 +219,12 @@ class QosdService:
         return rows[: max(0, n)]
 
     # -------------------------------------------------------------- SLA
-    SLA_KEEP_S = 300.0  # windows older than this are forgotten (the stage went away)
-
     def report_sla(self, report: dict[str, Any]) -> int:
-        now = time.time()
-        with self._sla_lock:
-            for r in report["reports"]:
-                key = (report["stage"], r["sla_class"], r["modality"])
-                self._sla[key] = {**r, "stage": report["stage"], "received_at": now}
-            return len(report["reports"])
+        return self.sla_board.report(report)
 
-    def sla(self) -> list[dict[str, Any]]:
-        now = time.time()
-        with self._sla_lock:
-            for k in [k for k, v in self._sla.items() if now - v["received_at"] > self.SLA_KEEP_S]:
-                del self._sla[k]
-            return [dict(v) for _, v in sorted(self._sla.items())]
+    def sla(self) -> dict[str, list[dict[str, Any]]]:
+        """{"instances", "stages", "classes"}: qosd/slaboard.py."""
+        return self.sla_board.view()
 
     def healthy(self) -> bool:
         return True

@@ -106,6 +106,10 @@ class SidecarConfig(_M):
     limits: Limits = Limits()
     qosd: QosdLink = QosdLink()
     metrics_addr: str | None = Field(default=None, description="host:port for /metrics")
+    instance: str | None = Field(default=None, max_length=253, description="this sidecar's "
+                                 "name in SLA reports (replicas of a stage are kept apart by "
+                                 "qosd and merged); default: hostname/pid (in Kubernetes the "
+                                 "hostname is the pod name)")
     otel: bool = Field(default=False, description="export spans with OpenTelemetry "
                                                   "(OTEL_* environment configures it)")
 

@@ -18,7 +18,7 @@ Per (stage, sla_class, modality) the recorder keeps
 Every ``cfg.qosd.report_interval_s`` the reporter task closes the window and
 POSTs it to qosd (``POST /v1/sla`` on its unix socket)::
 
-    {"node": null, "stage": "asr",
+    {"node": null, "stage": "asr", "instance": "asr-7d9f-x2k/1",
      "reports": [{"sla_class": "voice", "modality": "audio", "window_s": 5.0,
                   "frames": 250, "deadline_misses": 3, "drops": 1, "errors": 0,
                   "attainment": 0.984,
@@ -45,27 +45,27 @@ Conventions:
 * Negative times (clock skew between nodes for e2e) count as 0; times above
   one hour are clamped to one hour.
 
-:func:`merge` combines the reports of several sidecars (the point of the
-mergeable sketches) into a node-wide summary.
+:func:`merge` (from :mod:`mmmesh.slasketch`, shared with qosd) combines the
+reports of several sidecars (the point of the mergeable sketches) into a
+node-wide summary.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import bisect
 import contextlib
 import logging
-import math
+import os
+import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from ddsketch import DDSketch
-from ddsketch.ddsketch import BaseDDSketch
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -75,14 +75,18 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from mmmesh.slasketch import (
+    QUANTILES,
+    RELATIVE_ACCURACY,
+    decode_sketch,
+    encode_sketch,
+    merge,
+)
+from mmmesh.slasketch import new_sketch as _sketch
+from mmmesh.slasketch import summary as _summary
+
 from .config import SidecarConfig
 from .iface import SlaSample
-
-try:  # protobuf is optional for ddsketch
-    from ddsketch.pb.proto import DDSketchProto, KeyMappingProto
-    from ddsketch.pb.proto import pb as _pb
-except Exception:  # pragma: no cover - depends on the environment
-    DDSketchProto = KeyMappingProto = _pb = None
 
 __all__ = [
     "BUCKETS_S",
@@ -97,10 +101,8 @@ __all__ = [
 
 log = logging.getLogger("sidecar.sla")
 
-RELATIVE_ACCURACY = 0.01
 SLA_PATH = "/v1/sla"
 MAX_MS = 3_600_000.0  # one hour: larger values are clamped (bounds the sketches' bins)
-QUANTILES: tuple[tuple[str, float], ...] = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
 # 0.1 ms .. 10 s; denser where real-time classes set their deadlines (10-300 ms)
 BUCKETS_S: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
@@ -116,10 +118,6 @@ _LABELS = ("stage", "class", "modality")
 _HAS_DEADLINE_FIELD = "has_deadline" in getattr(SlaSample, "__dataclass_fields__", {})
 
 Key = tuple[str, str, str]  # (stage, sla_class, modality)
-
-
-def _sketch() -> DDSketch:
-    return DDSketch(RELATIVE_ACCURACY)
 
 
 class _Win:
@@ -168,52 +166,6 @@ class _Sketches:
     e2e: DDSketch
 
 
-# --------------------------------------------------------------------------
-# Sketch (de)serialisation and summaries
-# --------------------------------------------------------------------------
-def encode_sketch(sketch: BaseDDSketch) -> str | None:
-    """Base64 of the DDSketch protobuf (bins trimmed to the used range), or
-    None when ddsketch's protobuf support is not available."""
-    if _pb is None:
-        return None
-
-    def store(st: Any) -> Any:
-        if st.count == 0 or not st.bins:
-            return _pb.Store()
-        lo, hi = st.min_key - st.offset, st.max_key - st.offset
-        return _pb.Store(contiguousBinCounts=st.bins[lo:hi + 1],
-                         contiguousBinIndexOffset=st.min_key)
-
-    msg = _pb.DDSketch(
-        mapping=KeyMappingProto.to_proto(sketch._mapping),
-        positiveValues=store(sketch._store),
-        negativeValues=store(sketch._negative_store),
-        zeroCount=sketch._zero_count,
-    )
-    return base64.b64encode(msg.SerializeToString()).decode("ascii")
-
-
-def decode_sketch(data: str) -> BaseDDSketch:
-    """The sketch from :func:`encode_sketch` (min/max/sum are not carried)."""
-    if _pb is None:  # pragma: no cover
-        raise RuntimeError("ddsketch protobuf support is not available")
-    msg = _pb.DDSketch()
-    msg.ParseFromString(base64.b64decode(data, validate=True))
-    return DDSketchProto.from_proto(msg)
-
-
-def _summary(sk: BaseDDSketch, max_ms: float | None = None) -> dict[str, float] | None:
-    """{"p50","p90","p99","max"} in ms, None for an empty sketch."""
-    if sk.count == 0:
-        return None
-    out = {name: round(float(sk.get_quantile_value(q) or 0.0), 4) for name, q in QUANTILES}
-    if max_ms is None:
-        mx = getattr(sk, "_max", -math.inf)
-        max_ms = float(mx) if math.isfinite(mx) else float(sk.get_quantile_value(1.0) or 0.0)
-    out["max"] = round(max_ms, 4)
-    return out
-
-
 def _attainment(met: int, denom: int) -> float:
     return 1.0 if denom <= 0 else met / denom
 
@@ -233,6 +185,7 @@ class SlaRecorder:
     def __init__(self, cfg: SidecarConfig, registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.instance = cfg.instance or f"{socket.gethostname()}/{os.getpid()}"
         self._lock = threading.Lock()  # windows and cumulative counters (record's lock)
         self._cum_lock = threading.Lock()  # cumulative sketches
         self._cum: dict[Key, _Cum] = {}
@@ -347,7 +300,7 @@ class SlaRecorder:
             self._last_attainment.update(attain)
         if not by_stage:
             by_stage[self.cfg.stage] = []
-        bodies = [{"node": None, "stage": stage, "reports": reps}
+        bodies = [{"node": None, "stage": stage, "instance": self.instance, "reports": reps}
                   for stage, reps in by_stage.items()]
         self.last_body = bodies[0] if len(bodies) == 1 else {"bodies": bodies}
         return bodies
@@ -421,7 +374,7 @@ class SlaRecorder:
             self._stopping.set()
             try:
                 await asyncio.wait_for(asyncio.shield(task), final_timeout_s)
-            except (asyncio.TimeoutError, Exception):
+            except (TimeoutError, Exception):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
@@ -603,94 +556,6 @@ class _Collector(Collector):
                 errors.add_metric(labels, c.errors)
                 ratio.add_metric(labels, att.get(key, 1.0))
         yield from (lat, frames, misses, drops, errors, ratio)
-
-
-# --------------------------------------------------------------------------
-# Node-wide view
-# --------------------------------------------------------------------------
-def _entries(reports: Iterable[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
-    for r in reports:
-        if "reports" in r:  # a whole POST body
-            for e in r["reports"]:
-                yield {"stage": r.get("stage"), "node": r.get("node"), **e}
-        else:
-            yield dict(r)
-
-
-def merge(reports: Iterable[Mapping[str, Any]],
-          by: Sequence[str] = ("sla_class", "modality")) -> dict[str, Any]:
-    """Merges SLA reports from several sidecars (POST /v1/sla bodies or their
-    "reports" entries) into a summary grouped by ``by`` (any of "stage",
-    "node", "sla_class", "modality")::
-
-        {"groups": [{<by fields>, "sources": n, "window_s": max, "frames", "deadline_misses",
-                     "drops", "errors", "attainment", "e2e_ms": {...} | null,
-                     "sketch_e2e": str}, ...],
-         "total": {same without the by fields}}
-
-    Counts add up; attainment is frame-weighted; e2e quantiles come from the
-    merged sketches (the e2e max is the largest reported max).  Entries
-    without a sketch add to the counts but not to the quantiles.  queue/service
-    quantiles cannot be merged from summaries and are left out.
-    """
-    by = tuple(by)
-    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
-    total = _Acc()
-    for e in _entries(reports):
-        gk = tuple(e.get(f) for f in by)
-        acc = groups.get(gk)
-        if acc is None:
-            acc = groups[gk] = {"fields": dict(zip(by, gk, strict=True)), "acc": _Acc()}
-        acc["acc"].add(e)
-        total.add(e)
-    out = []
-    for gk in sorted(groups, key=lambda k: tuple("" if v is None else str(v) for v in k)):
-        g = groups[gk]
-        out.append({**g["fields"], **g["acc"].result()})
-    return {"groups": out, "total": total.result()}
-
-
-class _Acc:
-    def __init__(self) -> None:
-        self.sources = 0
-        self.window_s = 0.0
-        self.frames = self.misses = self.drops = self.errors = 0
-        self.met = 0.0
-        self.sketch = _sketch()
-        self.max_ms: float | None = None
-
-    def add(self, e: Mapping[str, Any]) -> None:
-        frames = int(e.get("frames", 0))
-        self.sources += 1
-        self.window_s = max(self.window_s, float(e.get("window_s") or 0.0))
-        self.frames += frames
-        self.misses += int(e.get("deadline_misses", 0))
-        self.drops += int(e.get("drops", 0))
-        self.errors += int(e.get("errors", 0))
-        self.met += float(e.get("attainment", 1.0)) * frames
-        sk = e.get("sketch_e2e")
-        if sk:
-            self.sketch.merge(decode_sketch(sk))
-        e2e = e.get("e2e_ms") or {}
-        if e2e.get("max") is not None:
-            self.max_ms = max(self.max_ms or 0.0, float(e2e["max"]))
-
-    def result(self) -> dict[str, Any]:
-        summary = _summary(self.sketch, self.max_ms)
-        res: dict[str, Any] = {
-            "sources": self.sources,
-            "window_s": self.window_s,
-            "frames": self.frames,
-            "deadline_misses": self.misses,
-            "drops": self.drops,
-            "errors": self.errors,
-            "attainment": round(self.met / self.frames, 6) if self.frames else 1.0,
-            "e2e_ms": summary,
-        }
-        enc = encode_sketch(self.sketch)
-        if enc is not None:
-            res["sketch_e2e"] = enc
-        return res
 
 
 # --------------------------------------------------------------------------

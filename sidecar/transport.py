@@ -58,8 +58,8 @@ from .bufpool import BufferPool
 from .config import Limits, Listen, Output
 
 __all__ = [
-    "FrameSender",
     "FrameQueue",
+    "FrameSender",
     "FrameServer",
     "InFrame",
     "SenderCounters",

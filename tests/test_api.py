@@ -34,6 +34,7 @@ from mmmesh.policy import Policy, parse_policy
 from qosd import api
 from qosd.errors import UnrealizableError
 from qosd.iface import FlowRow, PolicyVersion, ReconcileResult, Service
+from qosd.slaboard import SlaBoard
 from qosd.store import PolicyStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +83,7 @@ class StoreService:
         self.explode: str | None = None  # method name that raises RuntimeError
         self.flows = list(FLOWS)
         self.calls: list[str] = []
-        self.sla_rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.sla_board = SlaBoard()  # the real one: the fake is only the dataplane
 
     def _enter(self, name: str) -> None:
         self.calls.append(name)
@@ -157,14 +158,11 @@ class StoreService:
 
     def report_sla(self, report: dict[str, Any]) -> int:
         self._enter("report_sla")
-        for r in report["reports"]:
-            self.sla_rows[(report["stage"], r["sla_class"], r["modality"])] = {
-                **r, "stage": report["stage"], "received_at": time.time()}
-        return len(report["reports"])
+        return self.sla_board.report(report)
 
-    def sla(self) -> list[dict[str, Any]]:
+    def sla(self) -> dict[str, list[dict[str, Any]]]:
         self._enter("sla")
-        return [dict(v) for _, v in sorted(self.sla_rows.items())]
+        return self.sla_board.view()
 
     def healthy(self) -> bool:
         self._enter("healthy")
@@ -700,8 +698,12 @@ def test_sla_report_round_trip(client: Any) -> None:
          "e2e_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0, "max": 9.0}}]}
     r = client.post("/v1/sla", json=body)
     assert r.status_code == 200 and r.json() == {"accepted": 1}
-    got = client.get("/v1/sla").json()["stages"]
-    assert got[0]["stage"] == "audio-frontend" and got[0]["attainment"] == 0.996
+    got = client.get("/v1/sla").json()
+    assert got["instances"][0]["stage"] == "audio-frontend"
+    assert got["instances"][0]["attainment"] == 0.996
+    assert got["stages"][0]["sources"] == 1 and got["stages"][0]["frames"] == 500
+    assert got["classes"][0]["sla_class"] == "voice" and "stage" not in got["classes"][0] or \
+        got["classes"][0]["stage"] is None
     bad = client.post("/v1/sla", json={**body, "reports": [{**body["reports"][0],
                                                              "attainment": 1.5}]})
     assert bad.status_code == 422 and "attainment" in bad.text

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -406,4 +407,80 @@ def test_sla_socket_takes_reports_but_no_policy(node: Node, tmp_path: Path) -> N
         assert c.put("/v1/policy", json={"yaml": policy_yaml()}).status_code in (404, 405)
         assert c.get("/v1/status").status_code == 404
     st = node.get("/v1/status").json()
-    assert st["sla"][0]["stage"] == "audio-frontend"
+    assert st["sla"]["instances"][0]["stage"] == "audio-frontend"
+
+
+def test_sidecar_replicas_are_merged_node_wide(node: Node, tmp_path: Path) -> None:
+    """Three real SLA recorders (two replicas of "fusion", one "decoder")
+    report to the real qosd: replicas are kept apart, merged per stage with
+    the true quantiles of all their frames (DDSketch merge), and per class
+    node-wide; ``mmmeshctl status`` shows both views."""
+    import asyncio
+
+    import numpy as np
+
+    from sidecar.config import SidecarConfig
+    from sidecar.iface import SlaSample
+    from sidecar.sla import SlaRecorder
+
+    node.start()
+    sla_sock = tmp_path / "run" / "sla.sock"
+
+    def recorder(stage: str, instance: str) -> SlaRecorder:
+        return SlaRecorder(SidecarConfig.model_validate({
+            "stage": stage, "instance": instance,
+            "runner": {"kind": "python", "target": "examples.x:y"},
+            "qosd": {"socket": str(sla_sock), "report_interval_s": 60}}))
+
+    def feed(rec: SlaRecorder, stage: str, e2e_ms: np.ndarray, missed_every: int) -> None:
+        for i, v in enumerate(e2e_ms):
+            rec.record(SlaSample(stage=stage, sla_class="video", modality="video",
+                                 queue_ns=100_000, service_ns=1_000_000, e2e_ns=int(v * 1e6),
+                                 deadline_missed=i % missed_every == 0, dropped=False,
+                                 error=False))
+
+    rng = np.random.default_rng(7)
+    fast = rng.uniform(5, 15, 900)  # replica 1: 5-15 ms
+    slow = rng.uniform(40, 60, 100)  # replica 2: 40-60 ms, the tail of the merged stage
+    recs = [recorder("fusion", "fusion-a"), recorder("fusion", "fusion-b"),
+            recorder("decoder", "decoder-a")]
+    feed(recs[0], "fusion", fast, 100)
+    feed(recs[1], "fusion", slow, 10)
+    feed(recs[2], "decoder", rng.uniform(20, 30, 500), 1000)
+
+    def look() -> tuple[dict[str, Any], str]:
+        return node.get("/v1/sla").json(), node.ctl("status", check=True).stdout
+
+    async def report() -> tuple[list[bool], tuple[dict[str, Any], str]]:
+        for r in recs:
+            await r.start()
+        try:
+            sent = [await r.report_now() for r in recs]
+            return sent, await asyncio.to_thread(look)  # before stop(): it reports once more
+        finally:
+            for r in recs:
+                await r.stop()
+
+    sent, (sla, out) = asyncio.run(report())
+    assert sent == [True, True, True]
+    assert sorted((r["stage"], r["instance"]) for r in sla["instances"]) == [
+        ("decoder", "decoder-a"), ("fusion", "fusion-a"), ("fusion", "fusion-b")]
+    fusion = next(r for r in sla["stages"] if r["stage"] == "fusion")
+    assert fusion["sources"] == 2 and fusion["frames"] == 1000
+    assert fusion["deadline_misses"] == 9 + 10
+    assert abs(fusion["attainment"] - (1000 - 19) / 1000) < 1e-6
+    union = np.concatenate([fast, slow])
+    for q, name in ((0.5, "p50"), (0.99, "p99")):
+        true = float(np.quantile(union, q))
+        assert abs(fusion["e2e_ms"][name] - true) <= 0.03 * true, (name, fusion["e2e_ms"], true)
+    # not an average of the replicas' p99s (that would be ~35 ms)
+    assert fusion["e2e_ms"]["p99"] > 55
+    video = next(r for r in sla["classes"] if r["sla_class"] == "video")
+    assert video["sources"] == 3 and video["frames"] == 1500 and video.get("stage") is None
+    assert "replicas merged" in out and "node-wide" in out
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("fusion"))
+    assert row.split()[3] == "2" and row.split()[4] == "1000", row
+    # the final windows of the stopped recorders (idle) replaced the busy ones
+    later = node.get("/v1/sla").json()
+    assert [(r["stage"], r["frames"]) for r in later["stages"]] == [("decoder", 0),
+                                                                    ("fusion", 0)]

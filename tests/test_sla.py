@@ -19,9 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel, ConfigDict, Field
 
 from qosd import api
+from qosd.api import SlaReport
 from sidecar.config import SidecarConfig
 from sidecar.iface import SlaSample
 from sidecar.sla import (
@@ -363,42 +363,14 @@ def test_merge_groups_and_entries() -> None:
 # --------------------------------------------------------------------------
 # Reporter: a real HTTP server on a unix socket
 # --------------------------------------------------------------------------
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class Quantiles(_Strict):
-    p50: float
-    p90: float
-    p99: float
-    max: float
-
-
-class Report(_Strict):
-    sla_class: str
-    modality: str
-    window_s: float = Field(ge=0)
-    frames: int = Field(ge=0)
-    deadline_misses: int = Field(ge=0)
-    drops: int = Field(ge=0)
-    errors: int = Field(ge=0)
-    attainment: float = Field(ge=0, le=1)
-    e2e_ms: Quantiles | None
-    queue_ms: Quantiles | None
-    service_ms: Quantiles | None
-    sketch_e2e: str | None = None
-
-
-class SlaBody(_Strict):
-    """The contract for qosd's POST /v1/sla."""
-
-    node: str | None
-    stage: str
-    reports: list[Report]
+# the contract is qosd's own request model (one source of truth)
+SlaBody = SlaReport
 
 
 class FakeQosd:
-    """POST /v1/sla on a unix socket, validated against the contract."""
+    """POST /v1/sla on a unix socket, validated against qosd's request model
+    (a stand-in that records the bodies; the real qosd takes them in
+    tests/test_qosd.py::test_sidecar_replicas_are_merged_node_wide)."""
 
     def __init__(self, path: Path, status: int = 200) -> None:
         self.bodies: list[dict[str, Any]] = []
