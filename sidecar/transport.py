@@ -24,7 +24,8 @@ datagrams are counted and dropped.
 Send path: ``FrameSender.send()`` puts ``(header, array)`` on a bounded queue
 (waits when full; real-time outputs drop instead).  A writer task frames it
 with :func:`mmmesh.wire.frame` and hands ``[header bytes, memoryview(array)]``
-to ``socket.sendmsg`` (scatter/gather, the tensor is never copied), waiting
+to ``socket.sendmsg`` (scatter/gather, the tensor is never copied; frames
+already waiting go out in the same call, up to 64 frames or 256 KiB), waiting
 for writability when the socket buffer is full (that wait is the backpressure
 ``drain()`` gives on a stream).  It connects with TCP_NODELAY, detects a
 closed peer while idle, and reconnects with capped, jittered exponential
@@ -103,7 +104,9 @@ class FrameQueue(asyncio.Queue):  # type: ignore[type-arg]
         return item
 
     def full(self) -> bool:
-        return super().full() or (self.bytes >= self.max_bytes > 0 and not self.empty())
+        if 0 < self.maxsize <= self.qsize():
+            return True
+        return self.bytes >= self.max_bytes > 0 and not self.empty()
 
 
 def inframe_queue(limits: Limits) -> FrameQueue:
@@ -172,6 +175,7 @@ class ServerCounters:
 class SenderCounters:
     frames_out: int = 0
     bytes_out: int = 0
+    writes: int = 0  # sendmsg calls (a burst of queued small frames shares one)
     dropped_deadline: int = 0  # real-time output: past its deadline before it could be sent
     dropped_overload: int = 0  # real-time output: queue full, its oldest frame dropped
     reconnects: int = 0  # connections made after the first one
@@ -568,6 +572,39 @@ class _OutFrame:
     payload: Any  # np.ndarray / buffer, referenced (never copied) until sent
 
 
+# frames already waiting in the outbound queue go out in one sendmsg, up to
+# this many (IOV_MAX is 1024; two iovecs per frame) or this much payload
+_BATCH_FRAMES = 64
+_BATCH_BYTES = 256 * 1024
+
+
+class _Framed:
+    """One frame's iovecs (header bytes, payload view) and what is left to write."""
+
+    __slots__ = ("bufs", "total", "views")
+
+    def __init__(self, bufs: list[Any]) -> None:
+        self.bufs = [b if isinstance(b, memoryview) else memoryview(b) for b in bufs if len(b)]
+        self.views = list(self.bufs)
+        self.total = sum(len(b) for b in self.bufs)
+
+    def consume(self, n: int) -> int:
+        """Marks up to ``n`` bytes written; returns the bytes left over."""
+        views = self.views
+        while n and views:
+            first = len(views[0])
+            if n >= first:
+                n -= first
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+        return n
+
+    def rewind(self) -> None:
+        self.views = list(self.bufs)
+
+
 def _payload_view(payload: Any) -> Any:
     if isinstance(payload, np.ndarray):
         if payload.size == 0:
@@ -763,75 +800,88 @@ class FrameSender:
             if sock.fileno() >= 0:
                 loop.remove_writer(fd)
 
-    async def _sendmsg_all(self, sock: socket.socket, bufs: list[Any]) -> None:
-        """Write every byte of ``bufs`` with sendmsg (scatter/gather, no copy)."""
-        views = [b if isinstance(b, memoryview) else memoryview(b) for b in bufs]
-        views = [v for v in views if len(v)]
-        while views:
+    def _expired(self, item: _OutFrame) -> bool:
+        d = item.header.deadline_ns
+        return self.realtime and d is not None and time.time_ns() > d
+
+    async def _collect(self, q: FrameQueue, batch: list[_Framed]) -> None:
+        """Waits for a frame, then takes every frame already waiting (up to
+        ``_BATCH_FRAMES`` / ``_BATCH_BYTES``) into ``batch``, framed: one
+        ``sendmsg`` writes them all (one system call for a burst of small
+        frames instead of one each).  Real-time frames past their deadline and
+        frames whose header cannot be encoded are dropped here."""
+        items = [await q.get()]
+        nbytes = items[0].header.payload_len
+        while len(items) < _BATCH_FRAMES and nbytes < _BATCH_BYTES and not q.empty():
+            item = q.get_nowait()
+            items.append(item)
+            nbytes += item.header.payload_len
+        for item in items:
+            if self._expired(item):
+                self._drop(item.header, "deadline")
+                q.task_done()
+                continue
+            try:
+                batch.append(_Framed(frame(item.header, item.payload)))
+            except WireError as e:  # a header we cannot encode: drop it, keep going
+                log.error("sender %s: cannot frame: %s", self.name, e)
+                q.task_done()
+            except Exception:  # a payload that is not a buffer, ...: same
+                log.exception("sender %s: cannot frame", self.name)
+                q.task_done()
+
+    async def _write(self, sock: socket.socket, q: FrameQueue, batch: list[_Framed]) -> None:
+        """Writes ``batch`` with scatter/gather ``sendmsg`` (no copy), waiting
+        for writability when the socket buffer is full; each frame leaves the
+        batch (counted, ``task_done``) once all its bytes are written."""
+        cnt = self.counters
+        while batch:
             if self._dead:
                 raise ConnectionResetError("downstream closed the connection")
+            views = [v for f in batch for v in f.views]
             try:
                 n = sock.sendmsg(views, (), socket.MSG_NOSIGNAL)
             except (BlockingIOError, InterruptedError):
                 await self._wait_writable(sock)
                 continue
+            cnt.writes += 1
             while n:
-                first = len(views[0])
-                if n >= first:
-                    n -= first
-                    views.pop(0)
-                else:
-                    views[0] = views[0][n:]
-                    n = 0
-
-    def _expired(self, item: _OutFrame) -> bool:
-        d = item.header.deadline_ns
-        return self.realtime and d is not None and time.time_ns() > d
+                f = batch[0]
+                n = f.consume(n)
+                if not f.views:
+                    batch.pop(0)
+                    cnt.frames_out += 1
+                    cnt.bytes_out += f.total
+                    q.task_done()
 
     async def _run_tcp(self) -> None:
         q = self._queue
         assert q is not None
-        pending: _OutFrame | None = None
+        batch: list[_Framed] = []  # framed, not completely written yet
         while True:
             try:
                 if self._sock is None or self._dead:
                     self._close_sock()
                     await self._connect_tcp()
-                if pending is None:
-                    pending = await q.get()
-                item = pending
-                if self._expired(item):
-                    self._drop(item.header, "deadline")
-                    pending = None
-                    q.task_done()
-                    continue
-                if self._sock is None or self._dead:
-                    continue  # reconnect first, keep the frame
-                bufs = frame(item.header, item.payload)
-                await self._sendmsg_all(self._sock, bufs)
-                self.counters.frames_out += 1
-                self.counters.bytes_out += len(bufs[0]) + len(bufs[1])
-                pending = None
-                item = None  # type: ignore[assignment]
-                q.task_done()
+                if not batch:
+                    await self._collect(q, batch)
+                    continue  # (re-checks the connection before writing)
+                await self._write(self._sock, q, batch)
             except asyncio.CancelledError:
                 raise
-            except WireError as e:  # a header we cannot encode: drop it, keep going
-                log.error("sender %s: cannot frame: %s", self.name, e)
-                if pending is not None:
-                    pending = None
-                    q.task_done()
             except OSError as e:
                 self.counters.send_errors += 1
                 log.info("sender %s: connection to %s lost: %s", self.name,
                          self.output.address, e)
                 self._close_sock()
                 self._dead = True
+                if batch:  # a frame cut off mid-write goes out whole on the new connection
+                    batch[0].rewind()
             except Exception:  # never die
                 log.exception("sender %s: unexpected error", self.name)
-                if pending is not None:
-                    pending = None
+                for _ in batch:
                     q.task_done()
+                batch.clear()
                 await asyncio.sleep(0.1)
 
     async def _run_udp(self) -> None:
