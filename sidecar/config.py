@@ -7,7 +7,7 @@ needs about a dozen lines:
     runner: {kind: python, target: "examples.pipeline.stages:vision_encoder"}
     outputs:
       - {name: fusion, address: "10.0.3.2:9000", modality: tensor, sla_class: video}
-    qosd: {socket: /run/mmmesh/qosd.sock}
+    qosd: {socket: /run/mmmesh/sla.sock}
 """
 
 from __future__ import annotations
