@@ -19,13 +19,15 @@ Measured, per relay, in the same run:
                 relay process's CPU time per frame (user + system, /proc)
   1 KiB frames  throughput (frames/s), and one-way latency at 1000 frames/s:
                 "added per hop" = relay path percentile - direct path percentile
-                (source -> sink with no relay, same framing), p50 and p99
+                (source -> sink with no relay, same framing, measured right
+                before the relay path), p50 and p99
 
-Throughput is measured in rounds: each round runs every relay once (the order
-rotates), each relay's ratio to the raw relay is taken within its round, and
-the medians over the rounds are reported (this 2-vCPU VM drifts by 10-30 %
-between runs; within a round it mostly cancels).  "Faster than gRPC" compares
-the two ratios to raw.
+Everything is measured in rounds: each round runs every relay once (the order
+rotates); a relay's ratio to the raw relay, and its added latency over the
+direct path, are taken within its round, and the medians over the rounds are
+reported (this 2-vCPU VM drifts by 10-30 % between runs, and more when its
+neighbours are busy; within a round it mostly cancels).  "Faster than gRPC"
+compares the two ratios to raw.
 
 Targets (judged on the plain-function stage; the async one is shown beside):
 sidecar >= 80 % of raw on 4 MiB; sidecar faster than gRPC on both sizes;
@@ -550,12 +552,34 @@ def run(quick: bool, progress: Callable[[str], None], rounds: int | None = None
                                                              "identity_async (on the loop)"},
                            "relays": {}, "direct": {}}
 
-    def latency(relay: str | None, fam: str, async_stage: bool = False) -> dict[str, Any]:
-        """Best (lowest p99) of two runs: a stray scheduling pause on a small
-        machine should not decide the comparison, on either side."""
-        runs = [measure(relay, fam, 1024, lat_n, lat_rate, async_stage=async_stage)
-                for _ in range(2)]
-        return min(runs, key=lambda r: r["p99_us"])
+    def latency(label: str) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """``rounds`` rounds; in each, every relay's path is measured right
+        after the direct path of the same framing (source -> sink, no relay),
+        and "added" is the difference within that pair: the machine's drift
+        between rounds cancels out.  Reported: medians over the rounds."""
+        names = list(RELAYS)
+        per: dict[str, list[dict[str, Any]]] = {k: [] for k in names}
+        direct: dict[str, list[dict[str, Any]]] = {}
+        for rnd in range(rounds):
+            progress(f"{label} round {rnd + 1}/{rounds}")
+            order = names[rnd % len(names):] + names[:rnd % len(names)]
+            for relay in order:
+                fam, async_stage = RELAYS[relay]
+                kind = "sidecar" if relay.startswith("sidecar") else relay
+                d = measure(None, fam, 1024, lat_n, lat_rate)
+                r = measure(kind, fam, 1024, lat_n, lat_rate, async_stage=async_stage)
+                r["added_p50_us"] = r["p50_us"] - d["p50_us"]
+                r["added_p99_us"] = r["p99_us"] - d["p99_us"]
+                per[relay].append(r)
+                direct.setdefault(fam, []).append(d)
+        keys = ("p50_us", "p99_us", "max_us")
+        out = {relay: {**{k: float(np.median([r[k] for r in runs]))
+                          for k in (*keys, "added_p50_us", "added_p99_us")},
+                       "added_p99_us_rounds": [round(r["added_p99_us"]) for r in runs]}
+               for relay, runs in per.items()}
+        dout = {fam: {k: float(np.median([r[k] for r in runs])) for k in keys}
+                for fam, runs in direct.items()}
+        return out, dout
 
     def throughput(size: int, n: int, label: str) -> dict[str, dict[str, Any]]:
         """``rounds`` rounds; each measures every relay once (the order rotates
@@ -589,19 +613,11 @@ def run(quick: bool, progress: Callable[[str], None], rounds: int | None = None
             out[relay] = med
         return out
 
-    for fam in ("raw", "mmh", "grpc"):
-        progress(f"direct {fam}: 1 KiB latency")
-        res["direct"][fam] = latency(None, fam)
     big = throughput(4 * MiB, big_n, "4 MiB throughput")
     small = throughput(1024, small_n, "1 KiB throughput")
-    for relay, (fam, async_stage) in RELAYS.items():
-        kind = "sidecar" if relay.startswith("sidecar") else relay
-        progress(f"{relay}: 1 KiB latency")
-        lat = latency(kind, fam, async_stage)
-        d = res["direct"][fam]
-        lat["added_p50_us"] = lat["p50_us"] - d["p50_us"]
-        lat["added_p99_us"] = lat["p99_us"] - d["p99_us"]
-        res["relays"][relay] = {"big": big[relay], "small": small[relay], "latency": lat}
+    lat, res["direct"] = latency("1 KiB latency")
+    for relay in RELAYS:
+        res["relays"][relay] = {"big": big[relay], "small": small[relay], "latency": lat[relay]}
     gr = res["relays"]["grpc"]
     for name in ("sidecar", "sidecar-async"):
         sc = res["relays"][name]
@@ -637,6 +653,9 @@ def table(res: dict[str, Any]) -> str:
                  f"{d['mmh']['p99_us']:.0f}, grpc {d['grpc']['p50_us']:.0f}/"
                  f"{d['grpc']['p99_us']:.0f}; +p50/+p99 = added per hop; CPU µs/fr = the "
                  "relay process's CPU per 4 MiB frame)")
+    lines.append("added p99 µs per round: " + ", ".join(
+        f"{LABELS[k].strip(' ()')} {r['latency']['added_p99_us_rounds']}"
+        for k, r in res["relays"].items()))
     lines.append("4 MiB 'vs raw' per round: " + ", ".join(
         f"{LABELS[k].strip(' ()')} {r['big']['vs_raw_rounds']}"
         for k, r in res["relays"].items() if k != "raw"))

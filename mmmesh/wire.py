@@ -178,12 +178,13 @@ class Header:
 # --------------------------------------------------------------------------
 # Names
 # --------------------------------------------------------------------------
+_MODALITY_NAMES: dict[int, str] = {int(m): m.name.lower() for m in Modality}
+
+
 def modality_name(value: int) -> str:
     """``4 -> "audio"``; unknown values come back as their decimal string."""
-    try:
-        return Modality(value).name.lower()
-    except ValueError:
-        return str(value)
+    name = _MODALITY_NAMES.get(value)
+    return name if name is not None else str(value)
 
 
 def modality_names() -> list[str]:
@@ -312,11 +313,12 @@ def _pad_tlv(hdr_len: int, align: int) -> bytes:
     return _TLV_HDR.pack(Tlv.PAD, need - 2) + bytes(need - 2)
 
 
-def encode_header(h: Header, *, align: int = 1) -> bytes:
+def encode_header(h: Header, *, align: int = 1, payload_len: int | None = None) -> bytes:
     """The wire bytes of ``h`` (preamble + TLVs; known TLVs in type order, then ``extra``).
 
     ``align`` > 1 appends a PAD TLV so that the payload starts at a multiple of
-    ``align`` bytes from the frame start.  ``h.hdr_len`` is ignored.  Raises
+    ``align`` bytes from the frame start.  ``payload_len``, when given, is
+    written instead of ``h.payload_len``.  ``h.hdr_len`` is ignored.  Raises
     :class:`WireError` (a ``ValueError``) if a field is out of range or the
     header would exceed 255 bytes or 16 TLVs.
     """
@@ -325,11 +327,10 @@ def encode_header(h: Header, *, align: int = 1) -> bytes:
     _check_uint("flags", h.flags, 8, MMH_OFF_FLAGS)
     if h.flags & ~_KNOWN_FLAGS:
         raise WireError(f"flags {h.flags:#04x} set reserved bits (senders send 0)", MMH_OFF_FLAGS)
-    _check_uint("payload_len", h.payload_len, 32, MMH_OFF_PAYLOAD_LEN)
-    if h.payload_len > MMH_MAX_PAYLOAD:
-        raise WireError(
-            f"payload_len {h.payload_len} exceeds {MMH_MAX_PAYLOAD}", MMH_OFF_PAYLOAD_LEN
-        )
+    plen = h.payload_len if payload_len is None else payload_len
+    _check_uint("payload_len", plen, 32, MMH_OFF_PAYLOAD_LEN)
+    if plen > MMH_MAX_PAYLOAD:
+        raise WireError(f"payload_len {plen} exceeds {MMH_MAX_PAYLOAD}", MMH_OFF_PAYLOAD_LEN)
     if not 1 <= align <= 64:
         raise ValueError(f"align must be 1..64, got {align}")
     parts = [b""]
@@ -348,7 +349,7 @@ def encode_header(h: Header, *, align: int = 1) -> bytes:
     if off > MMH_HDR_MAX:
         raise WireError(f"header would be {off} bytes, at most {MMH_HDR_MAX}", MMH_OFF_HDR_LEN)
     parts[0] = _PREAMBLE.pack(
-        MMH_MAGIC_V1_U32, off, h.modality, h.sla_class, h.flags, h.payload_len
+        MMH_MAGIC_V1_U32, off, h.modality, h.sla_class, h.flags, plen
     )
     return b"".join(parts)
 
@@ -371,7 +372,7 @@ def frame(h: Header, payload: Buffer = b"", *, align: int = 1) -> list[bytes | m
     ``payload_len`` in the header is set to the payload size.
     """
     view = memoryview(_byte_view(payload))
-    hdr = encode_header(dataclasses.replace(h, payload_len=len(view)), align=align)
+    hdr = encode_header(h, align=align, payload_len=len(view))
     return [hdr, view]
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from mmmesh._abi import Flag
-from mmmesh.wire import Header, encode_header, parse_modality
+from mmmesh.wire import Header, TensorSpec, encode_header, parse_modality
 
 from .config import Output, SidecarConfig
 from .iface import ErrorCode, Runner, SlaSample, SlaSink, StageInput, tensor_from_frame, tensor_spec
@@ -45,6 +45,10 @@ from .transport import FrameSender, InFrame
 __all__ = ["NullSink", "Stage", "StageCounters", "realtime_predicate"]
 
 log = logging.getLogger("mmmesh.sidecar.stage")
+
+# plain ints: ``int & IntFlag`` builds a Flag object, measurable per frame
+_F_ERROR = int(Flag.ERROR)
+_F_EOS = int(Flag.END_OF_STREAM)
 
 
 class NullSink:
@@ -226,12 +230,12 @@ class Stage:
         c = self.counters
         c.frames += 1
         h = f.header
-        if h.flags & Flag.ERROR:
+        if h.flags & _F_ERROR:
             c.errors[ErrorCode.UPSTREAM.name] += 1
             await self._fan_out(h, None, forward=True)
             self._sample(h, queue_ns=time.time_ns() - f.received_ns, error=True)
             return None
-        if h.flags & Flag.END_OF_STREAM and h.tensor is None and h.payload_len == 0:
+        if h.flags & _F_EOS and h.tensor is None and h.payload_len == 0:
             await self._fan_out(h, None, forward=True)
             self._sample(h, queue_ns=time.time_ns() - f.received_ns)
             return None
@@ -374,7 +378,8 @@ class Stage:
     # -- output framing --------------------------------------------------------
     def _out_header(self, o: Output, h: Header, result: np.ndarray | None,
                     traceparent: bytes | None, *, flags: int = 0,
-                    error: tuple[int, str] | None = None) -> Header:
+                    error: tuple[int, str] | None = None,
+                    spec: TensorSpec | None = None) -> Header:
         modality = self._modality[o.name]
         timestamp = h.timestamp_ns
         deadline = h.deadline_ns
@@ -384,7 +389,7 @@ class Stage:
         return Header(
             modality=modality,
             sla_class=o.sla_class_id,
-            flags=flags | (h.flags & Flag.END_OF_STREAM),
+            flags=flags | (h.flags & _F_EOS),
             stream_id=h.stream_id,
             sequence=h.sequence,
             timestamp_ns=timestamp,
@@ -392,20 +397,22 @@ class Stage:
             fps=h.fps if same else None,
             bitrate=h.bitrate if same else None,
             density=h.density if same else None,
-            tensor=tensor_spec(result) if result is not None else None,
+            tensor=spec if spec is not None or result is None else tensor_spec(result),
             traceparent=traceparent,
             error=error,
         )
 
     async def _fan_out(self, h: Header, result: np.ndarray | None, *,
                        traceparent: bytes | None = None, forward: bool = False) -> None:
+        spec = None if forward or result is None else tensor_spec(result)  # once, not per output
         for o, sender in zip(self.cfg.outputs, self.senders, strict=True):
             if forward:  # error / end-of-stream frame: TLVs kept, link fields from the Output
                 out = dataclasses.replace(h, modality=self._modality[o.name],
                                           sla_class=o.sla_class_id, payload_len=0)
                 await sender.send(out, b"")
             else:
-                await sender.send(self._out_header(o, h, result, traceparent), result)
+                await sender.send(self._out_header(o, h, result, traceparent, spec=spec),
+                                  result)
 
     async def _fail(self, f: InFrame, code: ErrorCode, message: str, *,
                     start: int | None = None) -> None:
