@@ -25,7 +25,9 @@ Send path: ``FrameSender.send()`` puts ``(header, array)`` on a bounded queue
 (waits when full; real-time outputs drop instead).  A writer task frames it
 with :func:`mmmesh.wire.frame` and hands ``[header bytes, memoryview(array)]``
 to ``socket.sendmsg`` (scatter/gather, the tensor is never copied; frames
-already waiting go out in the same call, up to 64 frames or 256 KiB), waiting
+already waiting go out in the same call, up to 64 frames or 256 KiB; when
+nothing is queued, ``send()`` writes the frame itself, without waking the
+writer task), waiting
 for writability when the socket buffer is full (that wait is the backpressure
 ``drain()`` gives on a stream).  It connects with TCP_NODELAY, detects a
 closed peer while idle, and reconnects with capped, jittered exponential
@@ -570,6 +572,7 @@ class _UdpProtocol(asyncio.DatagramProtocol):
 class _OutFrame:
     header: Header
     payload: Any  # np.ndarray / buffer, referenced (never copied) until sent
+    framed: _Framed | None = None  # already framed and partly written by send()
 
 
 # frames already waiting in the outbound queue go out in one sendmsg, up to
@@ -655,6 +658,8 @@ class FrameSender:
         self._writable: asyncio.Future[None] | None = None
         self._ever_connected = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._batch: list[_Framed] = []  # the TCP writer's frames in progress
+        self._direct = output.transport != "udp"  # send() may write itself (TCP)
 
     @property
     def name(self) -> str:
@@ -684,13 +689,46 @@ class FrameSender:
                 old = q.get_nowait()
                 q.task_done()
                 self._drop(old.header, "overload")
-        item = _OutFrame(header, _payload_view(payload))
+        payload = _payload_view(payload)
+        framed = None
+        if self._direct and q.empty() and not self._batch:
+            framed = self._write_now(header, payload)
+            if framed is True:
+                return True
+        item = _OutFrame(header, payload, framed or None)
         if q.full():
             await q.put(item)
         else:
             q.put_nowait(item)
         depth = q.qsize()
         self.counters.queue_hwm = max(self.counters.queue_hwm, depth)
+        return True
+
+    def _write_now(self, header: Header, payload: Any) -> _Framed | bool:
+        """The fast path when nothing is queued or being written: one
+        ``sendmsg`` from the caller, no hand-over to the writer task (at low
+        rates that hand-over is a good part of the sidecar's added latency).
+        True when the whole frame was written; the partly written frame when
+        the socket buffer filled (the writer finishes it, first); False when
+        the frame should simply be queued (not connected, an error: the writer
+        deals with it as usual)."""
+        sock = self._sock
+        if sock is None or self._dead:
+            return False
+        try:
+            f = _Framed(frame(header, payload))
+            n = sock.sendmsg(f.views, (), socket.MSG_NOSIGNAL)
+        except (BlockingIOError, InterruptedError):
+            return f
+        except Exception:  # WireError, OSError, ...: the writer reports it as usual
+            return False
+        cnt = self.counters
+        cnt.writes += 1
+        f.consume(n)
+        if f.views:
+            return f
+        cnt.frames_out += 1
+        cnt.bytes_out += f.total
         return True
 
     async def flush(self, timeout: float | None = None) -> bool:
@@ -817,6 +855,9 @@ class FrameSender:
             items.append(item)
             nbytes += item.header.payload_len
         for item in items:
+            if item.framed is not None:  # partly written by send(): finish it first
+                batch.append(item.framed)
+                continue
             if self._expired(item):
                 self._drop(item.header, "deadline")
                 q.task_done()
@@ -857,7 +898,7 @@ class FrameSender:
     async def _run_tcp(self) -> None:
         q = self._queue
         assert q is not None
-        batch: list[_Framed] = []  # framed, not completely written yet
+        batch = self._batch  # framed, not completely written yet (send() looks at it)
         while True:
             try:
                 if self._sock is None or self._dead:

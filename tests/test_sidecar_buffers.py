@@ -185,3 +185,63 @@ def test_a_frame_cut_off_mid_write_is_resent_whole() -> None:
     f.rewind()  # the connection broke: the new one gets the whole frame
     assert [bytes(v) for v in f.views] == [b"HEAD", b"payload-bytes"]
     assert f.consume(20) == 3 and f.views == []  # 3 bytes belong to the next frame
+
+
+def test_send_writes_directly_when_idle_and_hands_a_partial_frame_to_the_writer() -> None:
+    """An idle sender writes a frame from send() itself (no writer-task hop);
+    when the socket buffer fills mid-frame, the rest goes out first, then the
+    queued frames, in order and intact."""
+    import socket
+
+    from mmmesh.wire import decode_frame
+    from sidecar.config import Limits, Output
+    from sidecar.transport import FrameSender
+
+    n, size = 40, 256 * 1024
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        lsock = socket.create_server(("127.0.0.1", 0))
+        lsock.setblocking(False)
+        o = Output(name="s", address=f"127.0.0.1:{lsock.getsockname()[1]}", modality="tensor",
+                   sla_class="video")
+        s = FrameSender(o, Limits(outbound_queue=256, outbound_queue_mb=64))
+        await s.start()
+        conn, _ = await loop.sock_accept(lsock)  # connected; nothing read yet
+        conn.setblocking(False)
+        while not s.counters.connected:
+            await asyncio.sleep(0.01)
+        small = np.arange(16, dtype=np.int32)
+        assert await s.send(tensor_header(small, seq=0), small)
+        assert s.counters.frames_out == 1 and s.counters.writes == 1  # written by send()
+        for i in range(1, n):  # the peer does not read: the socket buffer fills
+            a = np.full(size // 4, i, dtype=np.int32)
+            assert await s.send(tensor_header(a, seq=i), a)
+        assert s.counters.frames_out < n
+        data = bytearray()
+        done = asyncio.create_task(s.flush(20))
+        while not (done.done() and not await _more(loop, conn, data)):
+            await _more(loop, conn, data)
+        assert done.result() and s.counters.frames_out == n
+        view, seqs = memoryview(data), []
+        while view:
+            h, payload = decode_frame(view)
+            arr = np.frombuffer(payload, dtype=np.int32)
+            assert (arr == (small if h.sequence == 0 else h.sequence)).all()
+            seqs.append(h.sequence)
+            view = view[h.hdr_len + h.payload_len:]
+        assert seqs == list(range(n))
+        await s.close()
+        conn.close()
+        lsock.close()
+
+    run(main())
+
+
+async def _more(loop: asyncio.AbstractEventLoop, conn: object, data: bytearray) -> bool:
+    try:
+        chunk = await asyncio.wait_for(loop.sock_recv(conn, 1 << 20), 0.2)  # type: ignore[arg-type]
+    except TimeoutError:
+        return False
+    data += chunk
+    return bool(chunk)
