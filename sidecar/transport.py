@@ -110,6 +110,26 @@ class FrameQueue(asyncio.Queue):  # type: ignore[type-arg]
             return True
         return self.bytes >= self.max_bytes > 0 and not self.empty()
 
+    def get_nowait(self) -> Any:
+        item = super().get_nowait()
+        # one frame's bytes may make room for several waiting producers (the
+        # base class wakes one per get); each woken one re-checks full()
+        while self._putters and not self.full():  # type: ignore[attr-defined]
+            self._wakeup_next(self._putters)  # type: ignore[attr-defined]
+        return item
+
+    def pop_oldest(self, keep: Callable[[Any], bool]) -> Any | None:
+        """Removes and returns the oldest item ``keep`` does not protect (None
+        if every item is protected); the caller calls ``task_done`` for it."""
+        dq = self._queue  # type: ignore[attr-defined]
+        for i, item in enumerate(dq):
+            if not keep(item):
+                del dq[i]
+                self.bytes -= self._size(item)
+                self._wakeup_next(self._putters)  # type: ignore[attr-defined]
+                return item
+        return None
+
 
 def inframe_queue(limits: Limits) -> FrameQueue:
     """The inbound queue: ``limits.inbound_queue`` frames, ``inbound_queue_mb``."""
@@ -180,6 +200,7 @@ class SenderCounters:
     writes: int = 0  # sendmsg calls (a burst of queued small frames shares one)
     dropped_deadline: int = 0  # real-time output: past its deadline before it could be sent
     dropped_overload: int = 0  # real-time output: queue full, its oldest frame dropped
+    dropped_other: int = 0  # not sent: the sender was closed first, or an unexpected error
     reconnects: int = 0  # connections made after the first one
     connect_failures: int = 0
     send_errors: int = 0  # connection lost while sending (frame retried) / UDP send failed
@@ -572,6 +593,7 @@ class _UdpProtocol(asyncio.DatagramProtocol):
 class _OutFrame:
     header: Header
     payload: Any  # np.ndarray / buffer, referenced (never copied) until sent
+    nbytes: int = 0  # payload bytes (the byte budget; header.payload_len is set on the wire)
     framed: _Framed | None = None  # already framed and partly written by send()
 
 
@@ -584,9 +606,10 @@ _BATCH_BYTES = 256 * 1024
 class _Framed:
     """One frame's iovecs (header bytes, payload view) and what is left to write."""
 
-    __slots__ = ("bufs", "total", "views")
+    __slots__ = ("bufs", "header", "total", "views")
 
-    def __init__(self, bufs: list[Any]) -> None:
+    def __init__(self, header: Header, bufs: list[Any]) -> None:
+        self.header = header
         self.bufs = [b if isinstance(b, memoryview) else memoryview(b) for b in bufs if len(b)]
         self.views = list(self.bufs)
         self.total = sum(len(b) for b in self.bufs)
@@ -606,6 +629,11 @@ class _Framed:
 
     def rewind(self) -> None:
         self.views = list(self.bufs)
+
+    @property
+    def started(self) -> bool:
+        return len(self.views) != len(self.bufs) or bool(
+            self.views and len(self.views[0]) != len(self.bufs[0]))
 
 
 def _payload_view(payload: Any) -> Any:
@@ -672,7 +700,7 @@ class FrameSender:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = FrameQueue(self.limits.outbound_queue, self.limits.outbound_queue_mb << 20,
-                                 lambda item: item.header.payload_len)
+                                 lambda item: item.nbytes)
         run = self._run_udp if self.output.transport == "udp" else self._run_tcp
         self._task = self._loop.create_task(run(), name=f"sender-{self.output.name}")
 
@@ -686,16 +714,23 @@ class FrameSender:
                 self._drop(header, "deadline")
                 return False
             while q.full():  # real-time: the freshest frame is worth most; drop the oldest
-                old = q.get_nowait()
+                # (never a frame already partly on the wire: the stream would break)
+                old = q.pop_oldest(lambda it: it.framed is not None)
+                if old is None:
+                    break
                 q.task_done()
                 self._drop(old.header, "overload")
         payload = _payload_view(payload)
+        try:
+            nbytes = memoryview(payload).nbytes
+        except TypeError:  # not a buffer: the writer reports it when framing
+            nbytes = 0
         framed = None
         if self._direct and q.empty() and not self._batch:
             framed = self._write_now(header, payload)
             if framed is True:
                 return True
-        item = _OutFrame(header, payload, framed or None)
+        item = _OutFrame(header, payload, nbytes, framed or None)
         if q.full():
             await q.put(item)
         else:
@@ -716,7 +751,7 @@ class FrameSender:
         if sock is None or self._dead:
             return False
         try:
-            f = _Framed(frame(header, payload))
+            f = _Framed(header, frame(header, payload))
             n = sock.sendmsg(f.views, (), socket.MSG_NOSIGNAL)
         except (BlockingIOError, InterruptedError):
             return f
@@ -742,19 +777,32 @@ class FrameSender:
             return False
 
     async def close(self) -> None:
+        """Stops now (``flush()`` first for a graceful stop): frames not yet
+        sent are dropped and counted (``dropped_shutdown``)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
         self._close_sock()
+        q = self._queue
+        if q is not None:
+            for f in self._batch:
+                self._drop(f.header, "shutdown")
+                q.task_done()
+            self._batch.clear()
+            while not q.empty():
+                self._drop(q.get_nowait().header, "shutdown")
+                q.task_done()
 
     # -- internals -----------------------------------------------------------
     def _drop(self, header: Header, reason: str) -> None:
         if reason == "deadline":
             self.counters.dropped_deadline += 1
-        else:
+        elif reason == "overload":
             self.counters.dropped_overload += 1
+        else:  # "shutdown", "error"
+            self.counters.dropped_other += 1
         if self._on_drop is not None:
             try:
                 self._on_drop(self.output, header, reason)
@@ -849,11 +897,11 @@ class FrameSender:
         frames instead of one each).  Real-time frames past their deadline and
         frames whose header cannot be encoded are dropped here."""
         items = [await q.get()]
-        nbytes = items[0].header.payload_len
+        nbytes = items[0].nbytes
         while len(items) < _BATCH_FRAMES and nbytes < _BATCH_BYTES and not q.empty():
             item = q.get_nowait()
             items.append(item)
-            nbytes += item.header.payload_len
+            nbytes += item.nbytes
         for item in items:
             if item.framed is not None:  # partly written by send(): finish it first
                 batch.append(item.framed)
@@ -863,7 +911,7 @@ class FrameSender:
                 q.task_done()
                 continue
             try:
-                batch.append(_Framed(frame(item.header, item.payload)))
+                batch.append(_Framed(item.header, frame(item.header, item.payload)))
             except WireError as e:  # a header we cannot encode: drop it, keep going
                 log.error("sender %s: cannot frame: %s", self.name, e)
                 q.task_done()
@@ -904,6 +952,7 @@ class FrameSender:
                 if self._sock is None or self._dead:
                     self._close_sock()
                     await self._connect_tcp()
+                    self._after_reconnect(q, batch)
                 if not batch:
                     await self._collect(q, batch)
                     continue  # (re-checks the connection before writing)
@@ -920,10 +969,28 @@ class FrameSender:
                     batch[0].rewind()
             except Exception:  # never die
                 log.exception("sender %s: unexpected error", self.name)
-                for _ in batch:
+                if any(f.started for f in batch):  # part of a frame is on the wire: start over
+                    self._close_sock()
+                    self._dead = True
+                for f in batch:
+                    self._drop(f.header, "error")
                     q.task_done()
                 batch.clear()
                 await asyncio.sleep(0.1)
+
+    def _after_reconnect(self, q: FrameQueue, batch: list[_Framed]) -> None:
+        """A new connection: a frame cut off on the old one is sent whole, and
+        real-time frames that expired while we were reconnecting are dropped."""
+        keep = []
+        for f in batch:
+            if self.realtime and f.header.deadline_ns is not None \
+                    and time.time_ns() > f.header.deadline_ns:
+                self._drop(f.header, "deadline")
+                q.task_done()
+            else:
+                f.rewind()
+                keep.append(f)
+        batch[:] = keep
 
     async def _run_udp(self) -> None:
         q = self._queue

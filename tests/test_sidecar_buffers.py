@@ -5,6 +5,7 @@ in bytes as well as in frames."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 
@@ -179,11 +180,11 @@ def test_queued_small_frames_share_a_sendmsg_and_arrive_intact() -> None:
 def test_a_frame_cut_off_mid_write_is_resent_whole() -> None:
     from sidecar.transport import _Framed
 
-    f = _Framed([b"HEAD", memoryview(b"payload-bytes")])
+    f = _Framed(tensor_header(np.zeros(1, np.uint8)), [b"HEAD", memoryview(b"payload-bytes")])
     assert f.total == 17
     assert f.consume(6) == 0 and bytes(f.views[0]) == b"yload-bytes"
     f.rewind()  # the connection broke: the new one gets the whole frame
-    assert [bytes(v) for v in f.views] == [b"HEAD", b"payload-bytes"]
+    assert [bytes(v) for v in f.views] == [b"HEAD", b"payload-bytes"] and not f.started
     assert f.consume(20) == 3 and f.views == []  # 3 bytes belong to the next frame
 
 
@@ -245,3 +246,107 @@ async def _more(loop: asyncio.AbstractEventLoop, conn: object, data: bytearray) 
         return False
     data += chunk
     return bool(chunk)
+
+
+async def _idle_peer(realtime: bool = False, **limits: Any) -> tuple[Any, Any, Any]:
+    """A FrameSender connected to a peer that does not read (yet)."""
+    import socket
+
+    from sidecar.config import Limits, Output
+    from sidecar.transport import FrameSender
+
+    loop = asyncio.get_running_loop()
+    lsock = socket.create_server(("127.0.0.1", 0))
+    lsock.setblocking(False)
+    o = Output(name="s", address=f"127.0.0.1:{lsock.getsockname()[1]}", modality="tensor",
+               sla_class="video", realtime=realtime)
+    s = FrameSender(o, Limits(**limits))
+    await s.start()
+    conn, _ = await loop.sock_accept(lsock)
+    conn.setblocking(False)
+    while not s.counters.connected:
+        await asyncio.sleep(0.01)
+    return s, conn, lsock
+
+
+def _frames(data: bytes) -> list[tuple[int, int]]:
+    """(sequence, payload bytes) of every frame in a byte stream; fails on garbage."""
+    from mmmesh.wire import decode_frame
+
+    view, out = memoryview(data), []
+    while view:
+        h, payload = decode_frame(view)
+        out.append((h.sequence, len(payload)))
+        view = view[h.hdr_len + h.payload_len:]
+    return out
+
+
+def test_a_realtime_drop_never_cuts_a_frame_already_on_the_wire() -> None:
+    """send() writes part of a big frame itself; the next real-time frame finds
+    the queue full, but the half-sent frame is not the one dropped."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        s, conn, lsock = await _idle_peer(realtime=True, outbound_queue=1)
+        big, small = np.zeros(16 << 20, np.uint8), np.ones(1024, np.uint8)
+        assert await s.send(tensor_header(big, seq=0), big)
+        await s.send(tensor_header(small, seq=1), small)
+        flushed = asyncio.create_task(s.flush(10))
+        data = bytearray()
+        while not flushed.done() or await _more(loop, conn, data):
+            await _more(loop, conn, data)
+        assert flushed.result()
+        got = _frames(bytes(data))
+        assert got[0] == (0, 16 << 20) and got in ([(0, 16 << 20)], [(0, 16 << 20), (1, 1024)])
+        assert s.counters.frames_out == len(got)
+        await s.close()
+        conn.close()
+        lsock.close()
+
+    run(main())
+
+
+def test_the_outbound_byte_budget_counts_stage_outputs() -> None:
+    """Stage outputs carry no payload_len until framed; the outbound budget
+    still bounds them: with 8 MiB, a peer that does not read stops send()
+    after a few 4 MiB frames instead of queueing all of them."""
+    async def main() -> None:
+        s, conn, lsock = await _idle_peer(outbound_queue=64, outbound_queue_mb=8)
+        sent = 0
+        for i in range(40):
+            a = np.full(1 << 20, i, np.int32)  # 4 MiB
+            try:
+                await asyncio.wait_for(s.send(tensor_header(a, seq=i), a), 0.5)
+            except TimeoutError:
+                break
+            sent += 1
+        assert sent < 12, f"{sent} frames of 4 MiB accepted with an 8 MiB budget"
+        assert s._queue is not None and s._queue.bytes <= 12 << 20
+        await s.close()
+        assert s.counters.dropped_other == sent - s.counters.frames_out
+        assert await s.flush(1)  # nothing left unaccounted
+        conn.close()
+        lsock.close()
+
+    run(main())
+
+
+def test_after_a_reconnect_cut_frames_start_over_and_expired_ones_go() -> None:
+    import time
+
+    from sidecar.config import Limits, Output
+    from sidecar.transport import FrameQueue, FrameSender, _Framed
+
+    s = FrameSender(Output(name="s", address="127.0.0.1:9", modality="tensor",
+                           sla_class="voice", realtime=True), Limits())
+    q = FrameQueue(10, 0, lambda it: 0)
+    a = np.zeros(4, np.uint8)
+    cut = _Framed(tensor_header(a, seq=0, deadline_ns=time.time_ns() + 10**10), [b"HDR", a])
+    cut.consume(2)
+    late = _Framed(tensor_header(a, seq=1, deadline_ns=time.time_ns() - 1), [b"HDR", a])
+    for _ in range(2):
+        q.put_nowait(object())
+        q.get_nowait()  # two unfinished tasks, as the writer holds them
+    batch = [cut, late]
+    s._after_reconnect(q, batch)
+    assert batch == [cut] and not cut.started and [bytes(v) for v in cut.views][0] == b"HDR"
+    assert s.counters.dropped_deadline == 1
