@@ -25,8 +25,10 @@ except Exception:  # noqa: BLE001 # pragma: no cover - depends on the environmen
     DDSketchProto = KeyMappingProto = _pb = None
 
 __all__ = [
+    "MAX_ABS_KEY",
     "QUANTILES",
     "RELATIVE_ACCURACY",
+    "check_sketch",
     "decode_sketch",
     "encode_sketch",
     "merge",
@@ -68,11 +70,58 @@ def encode_sketch(sketch: BaseDDSketch) -> str | None:
 
 
 def decode_sketch(data: str) -> BaseDDSketch:
-    """The sketch from :func:`encode_sketch` (min/max/sum are not carried)."""
+    """The sketch from :func:`encode_sketch` (min/max/sum are not carried).
+    Trusts its input: use :func:`check_sketch` for what came over a socket."""
     if _pb is None:  # pragma: no cover
         raise RuntimeError("ddsketch protobuf support is not available")
     msg = _pb.DDSketch()
     msg.ParseFromString(base64.b64decode(data, validate=True))
+    return DDSketchProto.from_proto(msg)
+
+
+# Keys of the values a sidecar can report (1e-6 ms .. one hour: about -690 ..
+# 755 at 1 % accuracy), with room to spare.  A store is dense between its
+# lowest and highest key, so an unchecked far-apart pair of keys in a
+# 40-byte message would allocate hundreds of MiB when decoded.
+MAX_ABS_KEY = 2048
+_GAMMA = (1 + RELATIVE_ACCURACY) / (1 - RELATIVE_ACCURACY)
+
+
+def check_sketch(data: str) -> BaseDDSketch:
+    """Decodes a sketch received from elsewhere, or raises ``ValueError``
+    saying why it is refused: not base64 / not a DDSketch protobuf, another
+    relative accuracy or key mapping (it could not be merged), negative
+    values (times are >= 0), bins outside +-MAX_ABS_KEY, negative or
+    non-finite counts."""
+    if _pb is None:  # pragma: no cover
+        raise RuntimeError("ddsketch protobuf support is not available")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"not base64: {e}") from None
+    msg = _pb.DDSketch()
+    try:
+        msg.ParseFromString(raw)
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
+        raise ValueError(f"not a DDSketch protobuf: {e}") from None
+    m = msg.mapping
+    if abs(m.gamma - _GAMMA) > 1e-9 or m.indexOffset != 0 or m.interpolation != 0:
+        raise ValueError(f"key mapping gamma={m.gamma:.6g} offset={m.indexOffset} "
+                         f"interpolation={m.interpolation}: expected the logarithmic mapping "
+                         f"of {RELATIVE_ACCURACY:.0%} relative accuracy (gamma {_GAMMA:.6g})")
+    neg = msg.negativeValues
+    if any(neg.contiguousBinCounts) or any(neg.binCounts.values()):
+        raise ValueError("negative values (latencies are >= 0)")
+    pos = msg.positiveValues
+    keys = list(pos.binCounts.keys())
+    if pos.contiguousBinCounts:
+        keys += [pos.contiguousBinIndexOffset,
+                 pos.contiguousBinIndexOffset + len(pos.contiguousBinCounts) - 1]
+    if keys and (min(keys) < -MAX_ABS_KEY or max(keys) > MAX_ABS_KEY):
+        raise ValueError(f"bins {min(keys)}..{max(keys)} outside +-{MAX_ABS_KEY}")
+    counts = [*pos.contiguousBinCounts, *pos.binCounts.values(), msg.zeroCount]
+    if any(not math.isfinite(c) or c < 0 for c in counts):
+        raise ValueError("negative or non-finite bin counts")
     return DDSketchProto.from_proto(msg)
 
 
@@ -113,9 +162,11 @@ def merge(reports: Iterable[Mapping[str, Any]],
          "total": {same without the by fields}}
 
     Counts add up; attainment is frame-weighted; e2e quantiles come from the
-    merged sketches (the e2e max is the largest reported max).  Entries
-    without a sketch add to the counts but not to the quantiles.  queue/service
-    quantiles cannot be merged from summaries and are left out.
+    merged sketches (the e2e max is the largest reported max).  An entry's
+    ``_sketch`` (already decoded, or None) is used instead of decoding its
+    ``sketch_e2e``.  Entries without a sketch add to the counts but not to
+    the quantiles.  queue/service quantiles cannot be merged from summaries
+    and are left out.
     """
     by = tuple(by)
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -152,9 +203,11 @@ class _Acc:
         self.drops += int(e.get("drops", 0))
         self.errors += int(e.get("errors", 0))
         self.met += float(e.get("attainment", 1.0)) * frames
-        sk = e.get("sketch_e2e")
-        if sk:
-            self.sketch.merge(decode_sketch(sk))
+        if "_sketch" in e:  # decoded (and checked) by the caller already
+            if e["_sketch"] is not None:
+                self.sketch.merge(e["_sketch"])
+        elif e.get("sketch_e2e"):
+            self.sketch.merge(decode_sketch(e["sketch_e2e"]))
         e2e = e.get("e2e_ms") or {}
         if e2e.get("max") is not None:
             self.max_ms = max(self.max_ms or 0.0, float(e2e["max"]))

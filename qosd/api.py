@@ -50,7 +50,7 @@ from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -168,7 +168,7 @@ class Quantiles(BaseModel):
     max: float = Field(ge=0)
 
 
-class SlaClassReport(BaseModel):
+class _SlaWindow(BaseModel):
     """One window of one (stage, class, modality) as a sidecar measured it."""
 
     model_config = ConfigDict(extra="forbid")
@@ -186,7 +186,22 @@ class SlaClassReport(BaseModel):
     queue_ms: Quantiles | None = None
     service_ms: Quantiles | None = None
     sketch_e2e: str | None = Field(default=None, max_length=1 << 20,
-                                   description="base64 DDSketch protobuf (mergeable)")
+                                   description="base64 DDSketch protobuf (mergeable): 1 % "
+                                               "relative accuracy, logarithmic mapping, "
+                                               "values in ms >= 0")
+
+
+class SlaClassReport(_SlaWindow):
+    """One window of one (stage, class, modality) as a sidecar measured it."""
+
+    @field_validator("sketch_e2e")
+    @classmethod
+    def _mergeable(cls, v: str | None) -> str | None:
+        if v is not None:
+            from mmmesh.slasketch import check_sketch
+
+            check_sketch(v)  # ValueError -> 422 naming the field
+        return v
 
 
 class SlaReport(BaseModel):
@@ -212,11 +227,13 @@ class SlaAccepted(BaseModel):
     accepted: int
 
 
-class SlaEntry(SlaClassReport):
+class SlaEntry(_SlaWindow):  # (what qosd kept: its sketch was checked when reported)
     stage: str
     instance: str | None
     node: str | None = None
     received_at: float = Field(description="unix seconds")
+    stale: bool = Field(default=False, description="not refreshed for 3 of its windows "
+                                                   "(>= 15 s): listed, not merged")
 
 
 class SlaMerged(BaseModel):

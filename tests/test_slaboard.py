@@ -45,3 +45,80 @@ def test_the_board_is_bounded_oldest_first() -> None:
     b.report(body("s", "i5", 10), now=10.0)
     assert sorted(r["instance"] for r in b.instances(now=11.0)) == ["i2", "i4", "i5"]
     assert b.evicted == 3  # i0, i1, then i3 (i2 had been refreshed)
+
+
+def _sketch_b64(*values: float, accuracy: float = 0.01) -> str:
+    from ddsketch import DDSketch
+
+    from mmmesh.slasketch import encode_sketch
+
+    sk = DDSketch(accuracy)
+    for v in values:
+        sk.add(v)
+    enc = encode_sketch(sk)
+    assert enc is not None
+    return enc
+
+
+def _far_apart_bins() -> str:
+    import base64
+
+    from ddsketch.pb.proto import KeyMappingProto
+
+    from mmmesh.slasketch import _pb, new_sketch
+
+    msg = _pb.DDSketch(mapping=KeyMappingProto.to_proto(new_sketch()._mapping))
+    msg.positiveValues.binCounts[-100_000] = 1
+    msg.positiveValues.binCounts[100_000] = 1
+    return base64.b64encode(msg.SerializeToString()).decode()
+
+
+BAD_SKETCHES = {
+    "not base64": "not*base64!",
+    "another accuracy": _sketch_b64(5.0, accuracy=0.05),
+    "negative values": _sketch_b64(-5.0, 3.0),
+    "bins far apart": _far_apart_bins(),
+}
+
+
+def test_hostile_sketches_are_refused_and_never_break_the_view() -> None:
+    """The report socket is open to every pod: a sketch that cannot be merged,
+    or would allocate a huge store when decoded, is refused (the API answers
+    422 naming the field) and the board's views keep working."""
+    from pydantic import ValidationError
+
+    from mmmesh.slasketch import check_sketch
+    from qosd.api import SlaReport
+
+    good = body("asr", "a", 100)
+    good["reports"][0]["sketch_e2e"] = _sketch_b64(*[float(v) for v in range(1, 101)])
+    check_sketch(good["reports"][0]["sketch_e2e"])
+    SlaReport.model_validate(good)
+    b = SlaBoard()
+    b.report(good, now=0.0)
+    for why, sk in BAD_SKETCHES.items():
+        bad = body("asr", f"evil-{why}", 10)
+        bad["reports"][0]["sketch_e2e"] = sk
+        try:
+            SlaReport.model_validate(bad)
+        except ValidationError as e:
+            assert "sketch_e2e" in str(e), why
+        else:
+            raise AssertionError(f"{why}: accepted")
+        b.report(bad, now=1.0)  # straight to the board (no API): kept out of the merge
+    assert b.bad_sketches == len(BAD_SKETCHES)
+    (stage,) = b.view(now=2.0)["stages"]
+    assert stage["sources"] == 1 + len(BAD_SKETCHES) and stage["e2e_ms"] is not None
+    assert 98 <= stage["e2e_ms"]["p99"] <= 101  # from the good sketch only
+
+
+def test_a_sidecar_that_stopped_reporting_is_listed_but_not_merged() -> None:
+    b = SlaBoard()
+    old = body("asr", "asr-old", 100)  # restarted: a new pid, a new instance name
+    b.report(old, now=0.0)
+    b.report(body("asr", "asr-new", 50), now=100.0)
+    v = b.view(now=101.0)
+    assert [(r["instance"], r["stale"]) for r in v["instances"]] == [
+        ("asr-new", False), ("asr-old", True)]
+    (stage,) = v["stages"]
+    assert stage["sources"] == 1 and stage["frames"] == 50
