@@ -34,6 +34,7 @@ __all__ = [
     "merge",
     "new_sketch",
     "summary",
+    "validate_sketch",
 ]
 
 RELATIVE_ACCURACY = 0.01
@@ -89,10 +90,20 @@ _GAMMA = (1 + RELATIVE_ACCURACY) / (1 - RELATIVE_ACCURACY)
 
 def check_sketch(data: str) -> BaseDDSketch:
     """Decodes a sketch received from elsewhere, or raises ``ValueError``
-    saying why it is refused: not base64 / not a DDSketch protobuf, another
-    relative accuracy or key mapping (it could not be merged), negative
-    values (times are >= 0), bins outside +-MAX_ABS_KEY, negative or
-    non-finite counts."""
+    saying why it is refused (see :func:`validate_sketch`)."""
+    return DDSketchProto.from_proto(_checked_proto(data))
+
+
+def validate_sketch(data: str) -> None:
+    """Raises ``ValueError`` saying why a received sketch is refused: not
+    base64 / not a DDSketch protobuf, another relative accuracy or key
+    mapping (it could not be merged), negative values (times are >= 0), bins
+    outside +-MAX_ABS_KEY, negative or non-finite counts.  Checks the message
+    only; it does not build the sketch."""
+    _checked_proto(data)
+
+
+def _checked_proto(data: str) -> Any:
     if _pb is None:  # pragma: no cover
         raise RuntimeError("ddsketch protobuf support is not available")
     try:
@@ -122,7 +133,7 @@ def check_sketch(data: str) -> BaseDDSketch:
     counts = [*pos.contiguousBinCounts, *pos.binCounts.values(), msg.zeroCount]
     if any(not math.isfinite(c) or c < 0 for c in counts):
         raise ValueError("negative or non-finite bin counts")
-    return DDSketchProto.from_proto(msg)
+    return msg
 
 
 def summary(sk: BaseDDSketch, max_ms: float | None = None) -> dict[str, float] | None:

@@ -198,9 +198,9 @@ class SlaClassReport(_SlaWindow):
     @classmethod
     def _mergeable(cls, v: str | None) -> str | None:
         if v is not None:
-            from mmmesh.slasketch import check_sketch
+            from mmmesh.slasketch import validate_sketch
 
-            check_sketch(v)  # ValueError -> 422 naming the field
+            validate_sketch(v)  # ValueError -> 422 naming the field (qosd decodes it later)
         return v
 
 

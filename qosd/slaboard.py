@@ -82,13 +82,17 @@ class SlaBoard:
                 self.evicted += 1
             return len(body["reports"])
 
-    def _live(self, now: float) -> list[tuple[RowKey, dict[str, Any]]]:
+    def _live(self, now: float) -> list[dict[str, Any]]:
+        """Rows younger than ``keep_s`` (older ones are forgotten), sorted,
+        each with its decoded sketch under ``_sketch`` and ``stale``."""
         with self._lock:
             for k in [k for k, v in self._rows.items() if now - v["received_at"] > self.keep_s]:
                 del self._rows[k]
                 self._sketches.pop(k, None)
-            return [(k, {**self._rows[k], "_sketch": self._sketches.get(k)})
-                    for k in sorted(self._rows)]
+            rows = [{**self._rows[k], "_sketch": self._sketches.get(k)} for k in sorted(self._rows)]
+        for r in rows:
+            r["stale"] = self._stale(r, now)
+        return rows
 
     def _stale(self, row: dict[str, Any], now: float) -> bool:
         """A window older than a few of its own lengths: that sidecar stopped
@@ -99,9 +103,7 @@ class SlaBoard:
     def instances(self, now: float | None = None) -> list[dict[str, Any]]:
         """The latest window of every sidecar instance, sorted, each with
         ``stale`` (see :meth:`view`)."""
-        now = time.time() if now is None else now
-        return [{**{k: v for k, v in r.items() if k != "_sketch"}, "stale": self._stale(r, now)}
-                for _, r in self._live(now)]
+        return self.view(now)["instances"]
 
     def view(self, now: float | None = None) -> dict[str, list[dict[str, Any]]]:
         """{"instances": [...], "stages": [...], "classes": [...]} (see the
@@ -110,11 +112,9 @@ class SlaBoard:
         instances but left out of the merged views.  Merged rows carry
         ``sources`` (how many windows were merged) and ``received_at`` (the
         newest of them)."""
-        now = time.time() if now is None else now
-        live = [r for _, r in self._live(now)]
-        fresh = [r for r in live if not self._stale(r, now)]
-        return {"instances": [{**{k: v for k, v in r.items() if k != "_sketch"},
-                               "stale": self._stale(r, now)} for r in live],
+        live = self._live(time.time() if now is None else now)
+        fresh = [r for r in live if not r["stale"]]
+        return {"instances": [{k: v for k, v in r.items() if k != "_sketch"} for r in live],
                 "stages": _merged(fresh, ("stage", "sla_class", "modality")),
                 "classes": _merged(fresh, ("sla_class", "modality"))}
 

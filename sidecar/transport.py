@@ -9,7 +9,7 @@ one that is not is read by the kernel straight into a buffer allocated for it
 Those buffers come from a ``BufferPool`` and are reused once nothing refers to
 them any more (no page faults per frame; see ``sidecar/bufpool.py``).
 A complete frame goes to a ``FrameQueue`` (bounded in frames and in payload
-bytes: memory, and cache-warm hand-over of big frames).  When the queue is full
+bytes).  When the queue is full
 the connection's coroutine waits in ``queue.put`` and does not read: the
 kernel's receive window fills and TCP flow control stops the sender.  Frames
 the ``realtime`` predicate selects are dropped (and counted) instead.
@@ -632,8 +632,7 @@ class _Framed:
 
     @property
     def started(self) -> bool:
-        return len(self.views) != len(self.bufs) or bool(
-            self.views and len(self.views[0]) != len(self.bufs[0]))
+        return sum(len(v) for v in self.views) != self.total
 
 
 def _payload_view(payload: Any) -> Any:
@@ -757,14 +756,16 @@ class FrameSender:
             return f
         except Exception:  # WireError, OSError, ...: the writer reports it as usual
             return False
-        cnt = self.counters
-        cnt.writes += 1
+        self.counters.writes += 1
         f.consume(n)
         if f.views:
             return f
-        cnt.frames_out += 1
-        cnt.bytes_out += f.total
+        self._sent(f)
         return True
+
+    def _sent(self, f: _Framed) -> None:
+        self.counters.frames_out += 1
+        self.counters.bytes_out += f.total
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued frame was sent or dropped.  False on timeout."""
@@ -778,7 +779,7 @@ class FrameSender:
 
     async def close(self) -> None:
         """Stops now (``flush()`` first for a graceful stop): frames not yet
-        sent are dropped and counted (``dropped_shutdown``)."""
+        sent are dropped and counted (``dropped_other``)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -886,8 +887,8 @@ class FrameSender:
             if sock.fileno() >= 0:
                 loop.remove_writer(fd)
 
-    def _expired(self, item: _OutFrame) -> bool:
-        d = item.header.deadline_ns
+    def _expired(self, header: Header) -> bool:
+        d = header.deadline_ns
         return self.realtime and d is not None and time.time_ns() > d
 
     async def _collect(self, q: FrameQueue, batch: list[_Framed]) -> None:
@@ -906,7 +907,7 @@ class FrameSender:
             if item.framed is not None:  # partly written by send(): finish it first
                 batch.append(item.framed)
                 continue
-            if self._expired(item):
+            if self._expired(item.header):
                 self._drop(item.header, "deadline")
                 q.task_done()
                 continue
@@ -923,7 +924,6 @@ class FrameSender:
         """Writes ``batch`` with scatter/gather ``sendmsg`` (no copy), waiting
         for writability when the socket buffer is full; each frame leaves the
         batch (counted, ``task_done``) once all its bytes are written."""
-        cnt = self.counters
         while batch:
             if self._dead:
                 raise ConnectionResetError("downstream closed the connection")
@@ -933,14 +933,13 @@ class FrameSender:
             except (BlockingIOError, InterruptedError):
                 await self._wait_writable(sock)
                 continue
-            cnt.writes += 1
+            self.counters.writes += 1
             while n:
                 f = batch[0]
                 n = f.consume(n)
                 if not f.views:
                     batch.pop(0)
-                    cnt.frames_out += 1
-                    cnt.bytes_out += f.total
+                    self._sent(f)
                     q.task_done()
 
     async def _run_tcp(self) -> None:
@@ -964,9 +963,7 @@ class FrameSender:
                 log.info("sender %s: connection to %s lost: %s", self.name,
                          self.output.address, e)
                 self._close_sock()
-                self._dead = True
-                if batch:  # a frame cut off mid-write goes out whole on the new connection
-                    batch[0].rewind()
+                self._dead = True  # (the reconnect rewinds a frame cut off mid-write)
             except Exception:  # never die
                 log.exception("sender %s: unexpected error", self.name)
                 if any(f.started for f in batch):  # part of a frame is on the wire: start over
@@ -983,8 +980,7 @@ class FrameSender:
         real-time frames that expired while we were reconnecting are dropped."""
         keep = []
         for f in batch:
-            if self.realtime and f.header.deadline_ns is not None \
-                    and time.time_ns() > f.header.deadline_ns:
+            if self._expired(f.header):
                 self._drop(f.header, "deadline")
                 q.task_done()
             else:
@@ -1006,7 +1002,7 @@ class FrameSender:
         while True:
             item = await q.get()
             try:
-                if self._expired(item):
+                if self._expired(item.header):
                     self._drop(item.header, "deadline")
                     continue
                 bufs = frame(item.header, item.payload)
