@@ -63,6 +63,7 @@ from ._abi import (
     Modality,
 )
 from ._errors import PolicyError
+from .wire import MODALITY_ALIASES, modality_from_name
 
 __all__ = [
     "API_VERSION",
@@ -96,12 +97,6 @@ U32_MAX = 2**32 - 1
 RATE_MIN = 8  # HTB counts bytes: anything below 1 byte/s is 0
 RATE_MAX = 2**64 - 1
 
-# Names a policy may use for a modality besides the Modality enum names.
-MODALITY_ALIASES: dict[str, Modality] = {
-    "lidar": Modality.POINT_CLOUD,
-    "pointcloud": Modality.POINT_CLOUD,
-    "voice": Modality.AUDIO,
-}
 _META_FIELDS: tuple[tuple[str, MetaKind], ...] = (
     ("fps", MetaKind.FPS),
     ("bitrate", MetaKind.BITRATE),
@@ -271,11 +266,9 @@ def _modality(value: object) -> Modality:
     names = ", ".join(m.name.lower() for m in Modality)
     if not isinstance(value, str):
         raise TypeError(f"a modality is a name ({names}), got {type(value).__name__}")
-    key = value.strip().lower().replace("-", "_")
-    if key in MODALITY_ALIASES:
-        return MODALITY_ALIASES[key]
-    if key.upper() in Modality.__members__:
-        return Modality[key.upper()]
+    named = modality_from_name(value)
+    if named is not None:
+        return named
     aliases = ", ".join(MODALITY_ALIASES)
     raise ValueError(f"unknown modality {value!r}; known: {names} (aliases: {aliases})")
 

@@ -58,6 +58,7 @@ from ._errors import WireError
 
 __all__ = [
     "MODALITY_ALIASES",
+    "modality_from_name",
     "TRACEPARENT_LEN",
     "Buffer",
     "FrameReader",
@@ -192,16 +193,26 @@ def modality_names() -> list[str]:
     return [m.name.lower() for m in Modality] + list(MODALITY_ALIASES)
 
 
+def modality_from_name(text: str) -> Modality | None:
+    """The modality a name means (case-insensitive, ``-`` as ``_``, aliases
+    allowed), None when it names none.  The one parser of modality names."""
+    key = text.strip().lower().replace("-", "_")
+    if key in MODALITY_ALIASES:
+        return MODALITY_ALIASES[key]
+    if key.upper() in Modality.__members__:
+        return Modality[key.upper()]
+    return None
+
+
 def parse_modality(text: str) -> int:
     """Modality from a name (case-insensitive, aliases allowed) or a number 0..255.
 
     Raises ``ValueError`` listing the valid names.
     """
-    key = text.strip().lower().replace("-", "_")
-    if key in MODALITY_ALIASES:
-        return int(MODALITY_ALIASES[key])
-    if key.upper() in Modality.__members__:
-        return int(Modality[key.upper()])
+    named = modality_from_name(text)
+    if named is not None:
+        return int(named)
+    key = text.strip()
     if key.isdigit() and int(key) <= 0xFF:
         return int(key)
     raise ValueError(

@@ -13,7 +13,7 @@
     GET  /v1/flows/top?n=20             {"flows": [...]}, busiest first
 
 Errors are JSON ``{"error": <code>, "message": str, ...}`` and map as
-qosd/iface.py says (PolicyError/UnrealizableError 422, ConflictError 409,
+qosd/model.py says (PolicyError/UnrealizableError 422, ConflictError 409,
 NotFoundError 404, DataplaneError 503); a malformed request is 422
 ``invalid_request`` with ``errors`` [[field, message], ...]; a missing or
 wrong token 401 ``unauthorized``; a body over the size limit 413; anything
@@ -56,9 +56,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmmesh._errors import DataplaneError, MeshError, PolicyError
 from mmmesh.policy import Policy
+from mmmesh.slareport import SlaAccepted, SlaReport, SlaView
 
 from .errors import ConflictError, NotFoundError, StoreCorruptError, UnrealizableError
-from .iface import FlowRow, PolicyVersion, ReconcileResult, Service
+from .model import FlowRow, PolicyVersion, ReconcileResult, Service
 
 __all__ = [
     "API_VERSION",
@@ -159,107 +160,8 @@ class RollbackBody(_Request):
     author: Author = None
 
 
-class Quantiles(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    p50: float = Field(ge=0)
-    p90: float = Field(ge=0)
-    p99: float = Field(ge=0)
-    max: float = Field(ge=0)
-
-
-class _SlaWindow(BaseModel):
-    """One window of one (stage, class, modality) as a sidecar measured it."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    sla_class: str = Field(min_length=1, max_length=64)
-    modality: str = Field(min_length=1, max_length=64)
-    window_s: float = Field(ge=0, le=86400)
-    frames: int = Field(ge=0)
-    deadline_misses: int = Field(ge=0)
-    drops: int = Field(ge=0)
-    errors: int = Field(ge=0)
-    attainment: float = Field(ge=0, le=1, description="frames within their deadline / frames "
-                                                      "with one (1.0 when none had one)")
-    e2e_ms: Quantiles | None = None
-    queue_ms: Quantiles | None = None
-    service_ms: Quantiles | None = None
-    sketch_e2e: str | None = Field(default=None, max_length=1 << 20,
-                                   description="base64 DDSketch protobuf (mergeable): 1 % "
-                                               "relative accuracy, logarithmic mapping, "
-                                               "values in ms >= 0")
-
-
-class SlaClassReport(_SlaWindow):
-    """One window of one (stage, class, modality) as a sidecar measured it."""
-
-    @field_validator("sketch_e2e")
-    @classmethod
-    def _mergeable(cls, v: str | None) -> str | None:
-        if v is not None:
-            from mmmesh.slasketch import validate_sketch
-
-            validate_sketch(v)  # ValueError -> 422 naming the field (qosd decodes it later)
-        return v
-
-
-class SlaReport(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
-        "node": None, "stage": "audio-frontend", "reports": [{
-            "sla_class": "voice", "modality": "audio", "window_s": 5.0, "frames": 500,
-            "deadline_misses": 0, "drops": 0, "errors": 0, "attainment": 1.0,
-            "e2e_ms": {"p50": 1.2, "p90": 2.0, "p99": 3.1, "max": 4.0}}]}]})
-
-    node: str | None = Field(default=None, max_length=253)
-    stage: str = Field(min_length=1, max_length=128)
-    instance: str | None = Field(default=None, max_length=253,
-                                 description="which sidecar of the stage (replicas of a stage "
-                                             "are kept apart and merged); default: one per stage")
-    reports: list[SlaClassReport] = Field(max_length=256)
-
-
 class _Response(BaseModel):
     pass
-
-
-class SlaAccepted(BaseModel):
-    accepted: int
-
-
-class SlaEntry(_SlaWindow):  # (what qosd kept: its sketch was checked when reported)
-    stage: str
-    instance: str | None
-    node: str | None = None
-    received_at: float = Field(description="unix seconds")
-    stale: bool = Field(default=False, description="not refreshed for 3 of its windows "
-                                                   "(>= 15 s): listed, not merged")
-
-
-class SlaMerged(BaseModel):
-    """Windows of several sidecars merged: counts summed, attainment
-    frame-weighted, e2e quantiles from the merged DDSketches."""
-
-    stage: str | None = Field(default=None, description="absent in the node-wide class view")
-    sla_class: str
-    modality: str
-    sources: int = Field(description="windows merged (sidecar instances, times stages)")
-    window_s: float
-    frames: int
-    deadline_misses: int
-    drops: int
-    errors: int
-    attainment: float
-    e2e_ms: Quantiles | None
-    sketch_e2e: str | None = None
-    received_at: float = Field(description="unix seconds, the newest merged window")
-
-
-class SlaView(BaseModel):
-    instances: list[SlaEntry] = Field(description="latest window per (stage, instance, class, "
-                                                  "modality), as the sidecars reported it")
-    stages: list[SlaMerged] = Field(description="per (stage, class, modality), replicas merged")
-    classes: list[SlaMerged] = Field(description="per (class, modality), node-wide")
 
 
 class VersionInfo(_Response):

@@ -63,7 +63,7 @@ from mmmesh._errors import DataplaneError
 from mmmesh.dataplane._netlink import HTB_PARENT, Netlink
 from mmmesh.dataplane.loader import pin_dir
 
-from .iface import ReconcileResult
+from .model import ReconcileResult
 
 log = logging.getLogger("qosd.metrics")
 

@@ -24,7 +24,7 @@ from mmmesh.policy import Policy
 
 from .config import QosdConfig
 from .errors import UnrealizableError
-from .iface import PolicyVersion, ReconcileResult
+from .model import PolicyVersion, ReconcileResult
 
 log = logging.getLogger("qosd.reconciler")
 

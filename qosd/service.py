@@ -24,7 +24,7 @@ from mmmesh.policy import Policy, parse_policy
 
 from .config import QosdConfig
 from .errors import ConflictError
-from .iface import FlowRow, PolicyVersion, ReconcileResult
+from .model import FlowRow, PolicyVersion, ReconcileResult
 from .reconciler import Reconciler
 from .slaboard import SlaBoard
 from .store import PolicyStore

@@ -59,7 +59,7 @@ from mmmesh._errors import PolicyError
 from mmmesh.policy import Policy, parse_policy
 
 from .errors import ConflictError, NotFoundError, StoreCorruptError
-from .iface import PolicyVersion
+from .model import PolicyVersion
 
 __all__ = ["PolicyStore"]
 

@@ -1,6 +1,6 @@
 """qosd's admin API (qosd/api.py) over a real PolicyStore, without a kernel.
 
-``StoreService`` implements the Service protocol of qosd/iface.py on a real
+``StoreService`` implements the Service protocol of qosd/model.py on a real
 :class:`qosd.store.PolicyStore` in tmp_path; "the kernel" is a no-op that can
 be told to fail.  The end-to-end tests with the real daemon are elsewhere.
 """
@@ -33,7 +33,7 @@ from mmmesh._errors import DataplaneError
 from mmmesh.policy import Policy, parse_policy
 from qosd import api
 from qosd.errors import UnrealizableError
-from qosd.iface import FlowRow, PolicyVersion, ReconcileResult, Service
+from qosd.model import FlowRow, PolicyVersion, ReconcileResult, Service
 from qosd.slaboard import SlaBoard
 from qosd.store import PolicyStore
 

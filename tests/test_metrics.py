@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmmesh.policy import load_policy, parse_policy
-from qosd.iface import ReconcileResult
+from qosd.model import ReconcileResult
 from qosd.metrics import (
     DATAPLANE_METRICS,
     QOSD_METRICS,
