@@ -1,7 +1,8 @@
 """``mmmesh`` console entry point.
 
-Sub-command groups register themselves from their own modules so that the
-heavy ones (bcc, pyroute2) are only imported when used:
+Each sub-command group adds its commands from its own module; the heavy
+imports (bcc, pyroute2) happen inside the commands that need them, so
+building the parser stays cheap:
 
     mmmesh wire encode|decode           mmmesh/_wirecli.py
     mmmesh dataplane up|down|status|classify   mmmesh/dataplane/_cli.py
@@ -11,17 +12,19 @@ heavy ones (bcc, pyroute2) are only imported when used:
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from . import _wirecli
 from ._errors import MeshError
+from .dataplane import _cli as _dataplane_cli
+from .demo import _cli as _demo_cli
 
-# (command, module with register(subparsers) -> None, help)
-_GROUPS = [
-    ("wire", "mmmesh._wirecli", "encode and decode MMH headers"),
-    ("dataplane", "mmmesh.dataplane._cli", "load, inspect and test the BPF dataplane"),
-    ("demo", "mmmesh.demo._cli", "run the multi-node QoS demo in network namespaces"),
+# (command, register(parser) adding its sub-commands, help)
+_GROUPS: list[tuple[str, Callable[[argparse.ArgumentParser], None], str]] = [
+    ("wire", _wirecli.register, "encode and decode MMH headers"),
+    ("dataplane", _dataplane_cli.register, "load, inspect and test the BPF dataplane"),
+    ("demo", _demo_cli.register, "run the multi-node QoS demo in network namespaces"),
 ]
 
 
@@ -29,22 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmmesh", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="group", metavar="COMMAND")
     sub.required = True
-    for name, module, help_ in _GROUPS:
-        grp = sub.add_parser(name, help=help_)
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:  # a group not built yet
-            if not (e.name == module or module.startswith(f"{e.name}.")):
-                raise
-            grp.set_defaults(func=lambda _a, n=name: _missing(n))
-            continue
-        mod.register(grp)
+    for name, register, help_ in _GROUPS:
+        register(sub.add_parser(name, help=help_))
     return parser
-
-
-def _missing(name: str) -> int:
-    print(f"mmmesh: '{name}' is not available in this build", file=sys.stderr)
-    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
