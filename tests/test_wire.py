@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mmmesh import wire
+from mmmesh import _wire_codec, _wire_header, _wire_stream, _wire_text, wire
 from mmmesh._abi import (
     MMH_MAX_PAYLOAD,
     MMH_MAX_TLVS,
@@ -171,9 +171,9 @@ def test_tensor_spec_shape_becomes_tuple() -> None:
 
 
 def test_decoder_table_matches_abi_fixed_lengths() -> None:
-    for typ, (_, fixed, _, _) in wire._DECODERS.items():
+    for typ, (_, fixed, _, _) in _wire_codec._DECODERS.items():
         assert TLV_FIXED_LEN[Tlv(typ)] == (None if fixed < 0 else fixed)
-    assert set(wire._DECODERS) == {int(t) for t in Tlv} - {Tlv.PAD}
+    assert set(_wire_codec._DECODERS) == {int(t) for t in Tlv} - {Tlv.PAD}
 
 
 @pytest.mark.parametrize("align", [1, 2, 4, 8, 16, 64])
@@ -531,6 +531,7 @@ def test_public_api() -> None:
         "decode_header",
         "encode_header",
         "frame",
+        "modality_from_name",
         "modality_name",
         "modality_names",
         "parse_modality",
@@ -538,14 +539,20 @@ def test_public_api() -> None:
         "traceparent_from_text",
         "traceparent_to_text",
     }
-    for name in wire.__all__:
-        assert hasattr(wire, name)
-    defined_here = {
-        name
-        for name, obj in vars(wire).items()
-        if not name.startswith("_") and getattr(obj, "__module__", None) == "mmmesh.wire"
-    }
-    assert defined_here <= set(wire.__all__)
+    parts = (_wire_codec, _wire_header, _wire_stream, _wire_text)
+    # every public name of the private modules is re-exported as the same object...
+    exported = {name: getattr(m, name) for m in parts for name in m.__all__}
+    assert set(exported) == set(wire.__all__)
+    for name, obj in exported.items():
+        assert getattr(wire, name) is obj, name
+    # ...and nothing public defined in them is left out of their __all__
+    for m in parts:
+        defined = {
+            name
+            for name, obj in vars(m).items()
+            if not name.startswith("_") and getattr(obj, "__module__", None) == m.__name__
+        }
+        assert defined - set(m.__all__) <= {"byte_view", "check_magic", "read_preamble"}, m
 
 
 def test_header_is_frozen_and_hdr_len_not_compared() -> None:
