@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mmmesh import ctl
+from mmmesh.ctl import _fast, _node
 from mmmesh.policy import parse_policy
 from qosd import api
 
@@ -214,7 +215,7 @@ def test_flows_top_watch_refreshes(node: Node, monkeypatch: pytest.MonkeyPatch) 
             ticks["n"] += 1
             yield None
 
-    monkeypatch.setattr(ctl, "_ticks", two_ticks)
+    monkeypatch.setattr(_node, "_ticks", two_ticks)
     r = node.run("flows", "top", "--interval", "0.5")
     assert r.code == 0, r
     assert ticks["n"] == 2
@@ -452,7 +453,7 @@ def test_exit_2_usage(node: Node, tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------
-# Start-up cost (see the module docstring of mmmesh/ctl.py)
+# Start-up cost (see the docstring of mmmesh/ctl/__init__.py)
 # --------------------------------------------------------------------------
 HEAVY = ("httpx", "httpcore", "rich", "pydantic", "yaml", "mmmesh.policy", "typer._adapters")
 LOADED = (
@@ -513,10 +514,10 @@ def test_fast_option_values_are_typers(tmp_path: Path) -> None:
         todo.extend(getattr(cmd, "commands", {}).values())
         ctx = Context(cmd, info_name=cmd.name)
         params = cmd.get_params(ctx)
-        ctl._fast_params(params)
+        _fast.fast_params(params)
         for p in params:
             fast = getattr(p, "_runtime_param", None)
-            if not isinstance(fast, ctl._FastRuntimeParam):
+            if not isinstance(fast, _fast.FastRuntimeParam):
                 continue
             slow = build_runtime_param(p.type_descriptor)
             for v in samples:

@@ -1,0 +1,231 @@
+"""The client side of qosd's admin API: one JSON request per connection over the
+unix socket (``--socket``) or TCP/TLS (``--server``), with the standard
+library's ``http.client`` (httpx costs ~130 ms of start-up; one small request
+per command needs no more).
+
+Every failure ends the program through :func:`~mmmesh.ctl._exit.fail` with
+its exit code: qosd unreachable (5), an HTTP error status mapped by
+``_HTTP_EXIT``, a bad ``--server`` URL (2).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from ._exit import EXIT, PROG, fail
+
+if TYPE_CHECKING:  # imported where used (start-up time)
+    import http.client
+
+    import typer
+
+__all__ = ["DEFAULT_SOCKET", "Conn", "Response", "conn_of"]
+
+DEFAULT_SOCKET = "/run/mmmesh/qosd.sock"
+
+_HTTP_EXIT = {401: EXIT.AUTH, 403: EXIT.AUTH, 404: EXIT.NOT_FOUND, 409: EXIT.CONFLICT,
+              422: EXIT.REJECTED}
+
+
+@dataclass
+class Response:
+    status_code: int
+    content: bytes
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status_code < 300
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)  # ValueError when it is not JSON (or not UTF-8)
+
+
+_NewConnection = Callable[..., "http.client.HTTPConnection"]
+
+
+@functools.cache
+def _connection_classes() -> tuple[_NewConnection, _NewConnection, _NewConnection | None]:
+    """(unix socket, TCP, TLS or None) connection classes, made on first use.
+
+    Each takes ``timeout``, the limit for connecting (and the TLS handshake);
+    :meth:`Conn._send` sets the read timeout once connected.  TLS uses the
+    default context: certificates verified against the system CAs.
+    """
+    import http.client
+    import socket
+
+    class UnixConnection(http.client.HTTPConnection):
+        def __init__(self, path: str, *, timeout: float) -> None:
+            super().__init__("qosd", timeout=timeout)
+            self.unix_path = path
+
+        def connect(self) -> None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(self.timeout)
+                sock.connect(self.unix_path)
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+
+    tls = getattr(http.client, "HTTPSConnection", None)  # None: Python built without ssl
+    return UnixConnection, http.client.HTTPConnection, tls
+
+
+@dataclass
+class Conn:
+    """Where qosd is (the global options) and how to ask it."""
+
+    socket: str = DEFAULT_SOCKET
+    server: str | None = None
+    token: str | None = None
+    timeout: float = 30.0
+
+    @property
+    def where(self) -> str:
+        return self.server if self.server else f"unix socket {self.socket}"
+
+    def close(self) -> None:
+        """Nothing to do: each request has its own connection (closed after it)."""
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, str]:
+        """A new connection to qosd (not yet connected) and the path prefix of
+        --server (or "")."""
+        unix, tcp, tls = _connection_classes()
+        connect_timeout = min(self.timeout, 5.0)
+        if not self.server:
+            return unix(self.socket, timeout=connect_timeout), ""
+        from urllib.parse import urlsplit
+
+        url = self.server if "://" in self.server else f"http://{self.server}"
+        try:
+            parts = urlsplit(url)
+            scheme, host, port = parts.scheme.lower(), parts.hostname, parts.port
+        except ValueError as e:  # e.g. a port that is not a number
+            fail(EXIT.USAGE, f"error: bad --server URL {self.server!r}: {e}")
+        cls = tcp if scheme == "http" else tls if scheme == "https" else None
+        if cls is None:
+            fail(EXIT.USAGE, f"error: bad --server URL {self.server!r}: "
+                             f"unsupported scheme {parts.scheme!r} (http or https)")
+        if not host:
+            fail(EXIT.USAGE, f"error: bad --server URL {self.server!r}: no host")
+        if ":" in host:
+            host = f"[{host}]"  # IPv6 literal, as http.client wants it
+        try:
+            conn = cls(host, port, timeout=connect_timeout)
+        except ValueError as e:  # http.client.InvalidURL is one
+            fail(EXIT.USAGE, f"error: bad --server URL {self.server!r}: {e}")
+        return conn, parts.path.rstrip("/")
+
+    def _send(self, method: str, path: str, json_body: Any,
+              params: dict[str, Any] | None) -> Response:
+        conn, prefix = self._connection()
+        if params:
+            from urllib.parse import urlencode
+
+            path = f"{path}?{urlencode(params)}"
+        headers = {"User-Agent": f"{PROG}/1", "Accept": "application/json",
+                   "Connection": "close"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        body = None
+        if json_body is not None:
+            body = json.dumps(json_body, ensure_ascii=False).encode("utf-8")
+            headers["Content-Type"] = "application/json"
+        try:
+            conn.connect()  # within the connect timeout (--timeout, at most 5 s)
+            conn.sock.settimeout(self.timeout)  # then up to --timeout for each read
+            conn.request(method, prefix + path, body=body, headers=headers)
+            r = conn.getresponse()
+            return Response(r.status, r.read())
+        finally:
+            conn.close()
+
+    def request(self, method: str, path: str, *, json_body: Any = None,
+                params: dict[str, Any] | None = None) -> Any:
+        """The JSON answer of a 2xx; anything else ends the program with its exit code."""
+        import http.client
+
+        if not self.server:
+            try:
+                os.stat(self.socket)
+            except (FileNotFoundError, NotADirectoryError):
+                fail(EXIT.UNREACHABLE,
+                     f"error: no qosd socket at {self.socket} (is qosd running? "
+                     "set --socket/MMMESH_SOCKET, or --server for TCP)")
+            except OSError:
+                pass  # e.g. EACCES on the directory: connect() says it properly
+        try:
+            r = self._send(method, path, json_body, params)
+        except TimeoutError:  # socket.timeout: connecting, the TLS handshake or the answer
+            fail(EXIT.UNREACHABLE, f"error: qosd at {self.where} did not answer within "
+                                   f"{self.timeout:g}s")
+        except OSError as e:  # refused, reset, no such host, TLS errors, ...
+            if e.errno in (errno.EACCES, errno.EPERM):
+                fail(EXIT.AUTH, f"error: permission denied on {self.where} "
+                                "(the socket is root only; use sudo)")
+            reason = e.strerror or str(e) or type(e).__name__
+            fail(EXIT.UNREACHABLE, f"error: cannot reach qosd at {self.where}: {reason}")
+        except http.client.HTTPException as e:  # a broken or cut answer
+            fail(EXIT.UNREACHABLE, f"error: cannot reach qosd at {self.where}: "
+                                   f"{str(e) or type(e).__name__}")
+        if r.is_success:
+            try:
+                return r.json()
+            except ValueError:
+                fail(EXIT.OTHER, f"error: qosd sent a non-JSON answer ({r.status_code})")
+        _http_error(r)
+
+
+def _http_error(r: Response) -> NoReturn:
+    """Exit with the code of an error answer and qosd's explanation of it."""
+    code = _HTTP_EXIT.get(r.status_code, EXIT.OTHER)
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        fail(code, f"error: qosd answered HTTP {r.status_code}: {r.text[:200].strip()}")
+    kind = str(body.get("error", f"http_{r.status_code}"))
+    message = str(body.get("message", "")) or kind
+    details: list[str] = []
+    for item in body.get("errors") or []:
+        if isinstance(item, list | tuple) and len(item) == 2:
+            loc, msg = item
+            details.append(f"{loc}: {msg}" if loc else str(msg))
+    if kind == "invalid_policy" and details:
+        n = len(details)
+        fail(code, f"error: policy rejected: {n} problem{'s' if n != 1 else ''}", details)
+    if kind == "unrealizable" and details:
+        fail(code, "error: policy rejected: it cannot be applied on this node", details)
+    if kind == "invalid_request" and details:
+        fail(code, "error: request rejected by qosd", details)
+    if kind == "conflict":
+        fail(code, f"error: conflict: {message}; re-read it (mmmeshctl policy get) and retry"
+                   " with --base-version " + str(body.get("current_version", "N")))
+    if kind == "unauthorized":
+        fail(code, "error: authentication failed: missing or wrong token (--token / "
+                   "MMMESH_TOKEN)")
+    if kind == "dataplane":
+        fail(code, f"error: the node's dataplane refused the change (last good policy kept): "
+                   f"{message}")
+    fail(code, f"error: {message}")
+
+
+def conn_of(ctx: typer.Context) -> Conn:
+    """The :class:`Conn` the global options made (``mmmeshctl --socket/--server ...``)."""
+    obj = ctx.find_object(Conn)
+    if obj is None:  # pragma: no cover - the callback always sets it
+        obj = Conn()
+    return obj
