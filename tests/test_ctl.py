@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mmmesh import ctl
-from mmmesh.ctl import _fast, _node
+from mmmesh.ctl import _client, _fast, _node
 from mmmesh.policy import parse_policy
 from qosd import api
 
@@ -376,10 +376,30 @@ def test_server_urls(tcp_node: TcpNode) -> None:
     r = tcp_node.run("--server", tcp_node.address + "/", "--token", TOKEN, "status")
     assert r.code == 0, r
     for bad, why in (("ftp://127.0.0.1:1", "unsupported scheme"), ("http://:8470", "no host"),
-                     ("http://127.0.0.1:port", "bad --server URL")):
+                     ("http://127.0.0.1:port", "the port must be a number 0..65535"),
+                     ("http://127.0.0.1:65536", "the port must be a number 0..65535"),
+                     ("http://node1:", "the port must be a number 0..65535"),
+                     ("http://::1:8470", "write an IPv6 address as [address]:port"),
+                     ("http://[::1:8470", "Invalid IPv6 URL")):
         r = tcp_node.run("--server", bad, "status")
-        assert r.code == ctl.EXIT.USAGE and why in r.err, (bad, r)
+        assert r.code == ctl.EXIT.USAGE, (bad, r)
+        assert r.err.startswith(f"mmmeshctl: error: bad --server URL {bad!r}: ") and why in r.err
     assert tcp_node.service.calls.count("status") == 2
+
+
+@pytest.mark.parametrize(("server", "host", "port", "prefix"), [
+    ("node1", "node1", 80, ""),
+    ("http://node1:8470/qosd/", "node1", 8470, "/qosd"),
+    ("HTTPS://node1", "node1", 443, ""),
+    ("http://[::1]:8470", "::1", 8470, ""),  # http.client wants it without brackets
+    ("[fe80::1]", "fe80::1", 80, ""),
+    ("http://user@10.0.0.1:0", "10.0.0.1", 0, ""),  # credentials are not used
+])
+def test_server_address(server: str, host: str, port: int, prefix: str) -> None:
+    """What --server hands to http.client (the connection is not opened)."""
+    conn, got_prefix = _client.Conn(server=server)._connection()
+    assert (conn.host, conn.port, got_prefix) == (host, port, prefix)
+    assert type(conn).__name__ == ("HTTPSConnection" if port == 443 else "HTTPConnection")
 
 
 def test_exit_6_not_found(node: Node, files: dict[str, str]) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from .._net import parse_hostport
 from ._exit import EXIT, PROG, fail
 
 if TYPE_CHECKING:  # imported where used (start-up time)
@@ -50,11 +51,12 @@ class Response:
         return json.loads(self.content)  # ValueError when it is not JSON (or not UTF-8)
 
 
-_NewConnection = Callable[..., "http.client.HTTPConnection"]
+_HttpClass = type["http.client.HTTPConnection"]
 
 
 @functools.cache
-def _connection_classes() -> tuple[_NewConnection, _NewConnection, _NewConnection | None]:
+def _connection_classes() -> tuple[Callable[..., http.client.HTTPConnection], _HttpClass,
+                                   _HttpClass | None]:
     """(unix socket, TCP, TLS or None) connection classes, made on first use.
 
     Each takes ``timeout``, the limit for connecting (and the TLS handshake);
@@ -111,19 +113,16 @@ class Conn:
         url = self.server if "://" in self.server else f"http://{self.server}"
         try:
             parts = urlsplit(url)
-            scheme, host, port = parts.scheme.lower(), parts.hostname, parts.port
-        except ValueError as e:  # e.g. a port that is not a number
-            fail(EXIT.USAGE, f"error: bad --server URL {self.server!r}: {e}")
-        cls = tcp if scheme == "http" else tls if scheme == "https" else None
-        if cls is None:
-            fail(EXIT.USAGE, f"error: bad --server URL {self.server!r}: "
-                             f"unsupported scheme {parts.scheme!r} (http or https)")
-        if not host:
-            fail(EXIT.USAGE, f"error: bad --server URL {self.server!r}: no host")
-        if ":" in host:
-            host = f"[{host}]"  # IPv6 literal, as http.client wants it
-        try:
-            conn = cls(host, port, timeout=connect_timeout)
+            host, port = _host_port(parts.netloc)
+            scheme = parts.scheme.lower()
+            cls = tcp if scheme == "http" else tls if scheme == "https" else None
+            if cls is None:
+                raise ValueError(f"unsupported scheme {parts.scheme!r} (http or https)")
+            if not host:
+                raise ValueError("no host")
+            # with the port given, http.client takes an IPv6 host without brackets
+            conn = cls(host, cls.default_port if port is None else port,
+                       timeout=connect_timeout)
         except ValueError as e:  # http.client.InvalidURL is one
             fail(EXIT.USAGE, f"error: bad --server URL {self.server!r}: {e}")
         return conn, parts.path.rstrip("/")
@@ -186,6 +185,19 @@ class Conn:
             except ValueError:
                 fail(EXIT.OTHER, f"error: qosd sent a non-JSON answer ({r.status_code})")
         _http_error(r)
+
+
+def _host_port(netloc: str) -> tuple[str, int | None]:
+    """The host and port of a URL's authority (credentials in it are not used).
+
+    Without a port (``node1``, ``[::1]``) the port is None (the scheme's
+    default); with one, :func:`mmmesh._net.parse_hostport`
+    reads it (a missing host comes back as "").  Raises ValueError.
+    """
+    hostport = netloc.rpartition("@")[2]
+    if ":" not in hostport.rpartition("]")[2]:  # the colons of [v6] are not a port
+        return hostport.removeprefix("[").removesuffix("]"), None
+    return parse_hostport(hostport, default_host="", what="address")
 
 
 def _http_error(r: Response) -> NoReturn:
