@@ -19,6 +19,7 @@ from mmmesh._errors import MeshError, PolicyError
 from mmmesh.policy import (
     QUANTUM_UNIT,
     Match,
+    MetaRange,
     Policy,
     Rate,
     TrafficClass,
@@ -172,7 +173,6 @@ def test_defaults() -> None:
 def test_rate_parses(text: str | float, bits: int, compact: str) -> None:
     r = Rate(text)
     assert int(r) == bits
-    assert r.bits_per_second == bits
     assert str(r) == compact
     assert Rate(str(r)) == bits
     assert repr(r) == f"Rate({compact!r})"
@@ -384,7 +384,20 @@ def test_rejected_with_field_named(mutate: Mut, loc: str, fragment: str) -> None
 def test_four_meta_rules_fit() -> None:
     doc = example_doc()
     _add_meta_rules(MAX_RULES)(doc)
-    parse_policy(doc)
+    p = parse_policy(doc)  # as many metadata rules as the BPF map holds: accepted
+    video_rules = [
+        (c.name, c.match.meta, c.match.condition)
+        for c in p.classes
+        if c.match is not None and c.match.condition is not None
+        and Modality.VIDEO in c.match.modalities
+    ]  # fmt: skip
+    assert MAX_RULES == 4
+    assert video_rules == [
+        (f"v{i}", MetaKind.FPS, MetaRange(min=10 * i)) for i in range(MAX_RULES)
+    ]  # fmt: skip
+    # the rules come before the fallback; without the TLV the fallback still takes video
+    assert reference_verdict(p, Modality.VIDEO, fps=45)[:2] == (p.class_named("v0"), "rule")
+    assert reference_verdict(p, Modality.VIDEO)[:2] == (p.class_named("video"), "fallback")
 
 
 def test_conditional_and_fallback_share_a_modality() -> None:
@@ -756,3 +769,31 @@ def test_docs_examples_are_exact(example: Policy) -> None:
             continue
         for loc, msg in info.value.errors:
             assert re.search(re.escape(loc) + r" +" + re.escape(msg) + "\n", shown), (loc, msg)
+
+
+# --------------------------------------------------------------------------
+# The public face: mmmesh.policy re-exports one module per role
+# --------------------------------------------------------------------------
+PUBLIC = [
+    "API_VERSION", "MAX_WEIGHT", "MODALITY_ALIASES", "QUANTUM_UNIT",
+    "Link", "Match", "MetaRange", "Policy", "Rate", "SourceRule", "TrafficClass", "Verdict",
+    "classify_reference", "load_policy", "parse_policy", "policy_json_schema",
+    "reference_verdict",
+]  # fmt: skip
+
+
+def test_public_names() -> None:
+    import mmmesh.policy as pkg
+    from mmmesh import wire
+    from mmmesh.policy import _schema, _types, _yaml, reference
+
+    assert pkg.__all__ == PUBLIC
+    # nothing else public on the package but the one public role module
+    assert {n for n in vars(pkg) if not n.startswith("_")} - set(PUBLIC) == {"reference"}
+    # each name is the object its role module defines, not a copy
+    homes = {
+        "MODALITY_ALIASES": wire, "Rate": _types, "load_policy": _yaml, "parse_policy": _yaml,
+        "Verdict": reference, "classify_reference": reference, "reference_verdict": reference,
+    }  # fmt: skip
+    for name in PUBLIC:
+        assert getattr(pkg, name) is getattr(homes.get(name, _schema), name), name

@@ -141,10 +141,6 @@ class Rate(int):
         return f"Rate({str(self)!r})"
 
     @property
-    def bits_per_second(self) -> int:
-        return int(self)
-
-    @property
     def bytes_per_second(self) -> int:
         """What tc and HTB store (bit/s divided by 8, truncated)."""
         return int(self) // 8
