@@ -1,180 +1,43 @@
-"""qosd's admin API (qosd/api.py) over a real PolicyStore, without a kernel.
-
-``StoreService`` implements the Service protocol of qosd/model.py on a real
-:class:`qosd.store.PolicyStore` in tmp_path; "the kernel" is a no-op that can
-be told to fail.  The end-to-end tests with the real daemon are elsewhere.
+"""qosd's admin API (qosd/api/) over a real PolicyStore, without a kernel:
+what each endpoint answers, bad requests, errors, auth.  The fake service is
+tests/qosd_fake.py; OpenAPI, fuzzing, sockets and the report-only app are in
+tests/test_api_serving.py; the end-to-end tests with the real daemon are elsewhere.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import difflib
 import hashlib
-import json
 import logging
-import os
-import socket
-import stat
 import threading
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 with warnings.catch_warnings():  # starlette's "install httpx2" notice
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
 
-from mmmesh._errors import DataplaneError
-from mmmesh.policy import Policy, parse_policy
+from mmmesh.policy import parse_policy
 from qosd import api
-from qosd.errors import UnrealizableError
-from qosd.model import FlowRow, PolicyVersion, ReconcileResult, Service
-from qosd.slaboard import SlaBoard
-from qosd.store import PolicyStore
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "policy.yaml"
-OPENAPI = ROOT / "docs" / "api" / "openapi.json"
+# tests/test_ctl.py and bench/ctl_startup.py import the fake from here
+from .qosd_fake import (
+    BAD_POLICY,
+    FLOWS,
+    POLICY_A,
+    POLICY_B,
+    POLICY_C,
+    TOKEN,
+    UNREALIZABLE,
+    StoreService,
+    as_service,
+    put,
+)
 
-POLICY_A = EXAMPLE.read_text()
-POLICY_B = POLICY_A.replace("rate: 150mbit", "rate: 160mbit")
-POLICY_C = POLICY_A.replace("rate: 80mbit", "rate: 90mbit")
-assert POLICY_A != POLICY_B != POLICY_C
-
-BAD_POLICY = """\
-apiVersion: mmmesh/v1
-link: {device: eth0, rate: 1gbit}
-classes:
-  - {name: video, id: 1, rate: 150mbps}
-  - {name: Voice, id: 2, rate: 1mbit}
-default_class: best-effort
-"""
-
-UNREALIZABLE = POLICY_A.replace("device: eth0", "device: nosuch0")
-
-FLOWS = [
-    FlowRow(src="10.0.0.1", dst="10.0.0.2", sport=40000, dport=9000, proto="tcp",
-            class_name="video", class_id=12, modality="video", packets=1000,
-            bytes=1_500_000, idle_s=0.01, rate_bps=150e6),
-    FlowRow(src="10.0.0.1", dst="10.0.0.3", sport=40001, dport=9001, proto="tcp",
-            class_name="voice", class_id=11, modality="audio", packets=100,
-            bytes=15_000, idle_s=0.02, rate_bps=1.2e6),
-    FlowRow(src="10.0.99.7", dst="10.0.0.3", sport=40002, dport=9002, proto="tcp",
-            class_name=None, class_id=0, modality=None, packets=3,
-            bytes=180, idle_s=5.0, rate_bps=0.0),
-]
-
-
-class StoreService:
-    """The Service protocol over a real PolicyStore; a pretend kernel."""
-
-    devices = frozenset({"eth0", "lo"})
-
-    def __init__(self, state_dir: Path) -> None:
-        self.store = PolicyStore(state_dir)
-        self.started_at = time.time()
-        self.last: ReconcileResult | None = None
-        self.kernel_fails = False  # next apply/rollback raises DataplaneError
-        self.explode: str | None = None  # method name that raises RuntimeError
-        self.flows = list(FLOWS)
-        self.calls: list[str] = []
-        self.sla_board = SlaBoard()  # the real one: the fake is only the dataplane
-
-    def _enter(self, name: str) -> None:
-        self.calls.append(name)
-        if self.explode == name:
-            raise RuntimeError(f"bug in {name}")
-
-    def policy(self) -> PolicyVersion | None:
-        self._enter("policy")
-        return self.store.current()
-
-    def validate(self, text: str) -> Policy:
-        self._enter("validate")
-        pol = parse_policy(text)
-        if pol.link.device not in self.devices:
-            raise UnrealizableError([("link.device", f"no device {pol.link.device!r} here")])
-        return pol
-
-    def _reconcile(self, pol: Policy, trigger: str) -> None:
-        if self.kernel_fails:
-            raise DataplaneError(f"{trigger}: the kernel said no (pretend)")
-
-    def _result(self, pv: PolicyVersion, trigger: str) -> ReconcileResult:
-        self.last = ReconcileResult(ok=True, version=pv.version, started_at=time.time(),
-                                    duration_s=0.001, trigger=trigger)
-        return self.last
-
-    def apply(self, text: str, base_version: int | None = None, author: str | None = None
-              ) -> tuple[PolicyVersion, ReconcileResult]:
-        self._enter("apply")
-        pol = self.validate(text)
-        self._reconcile(pol, "apply")
-        pv = self.store.commit(pol, base_version=base_version, author=author)
-        return pv, self._result(pv, "apply")
-
-    def diff(self, text: str) -> str:
-        self._enter("diff")
-        new = parse_policy(text).to_yaml()
-        cur = self.store.current()
-        old = cur.text if cur else ""
-        return "".join(difflib.unified_diff(
-            old.splitlines(keepends=True), new.splitlines(keepends=True),
-            fromfile=f"version {cur.version}" if cur else "none", tofile="proposed"))
-
-    def history(self) -> list[PolicyVersion]:
-        self._enter("history")
-        return self.store.history()
-
-    def rollback(self, to_version: int, base_version: int | None = None,
-                 author: str | None = None) -> tuple[PolicyVersion, ReconcileResult]:
-        self._enter("rollback")
-        self._reconcile(self.store.get(to_version).policy, "rollback")
-        pv = self.store.rollback(to_version, base_version=base_version, author=author)
-        return pv, self._result(pv, "rollback")
-
-    def status(self) -> dict[str, Any]:
-        self._enter("status")
-        cur = self.store.current()
-        return {
-            "node": "node-a",
-            "policy_version": cur.version if cur else 0,
-            "uplinks": {cur.policy.link.device: {"loaded": True, "flows": len(self.flows)}}
-            if cur else {},
-            "last_reconcile": dataclasses.asdict(self.last) if self.last else None,
-            "store_problems": list(self.store.problems),
-            "started_at": self.started_at,
-            "adopted": False,
-        }
-
-    def top_flows(self, n: int = 20) -> list[FlowRow]:
-        self._enter("top_flows")
-        return sorted(self.flows, key=lambda r: r.rate_bps, reverse=True)[:n]
-
-    def report_sla(self, report: dict[str, Any]) -> int:
-        self._enter("report_sla")
-        return self.sla_board.report(report)
-
-    def sla(self) -> dict[str, list[dict[str, Any]]]:
-        self._enter("sla")
-        return self.sla_board.view()
-
-    def healthy(self) -> bool:
-        self._enter("healthy")
-        return True
-
-    def ready(self) -> bool:
-        self._enter("ready")
-        return self.store.current() is not None
-
-
-def _is_service(obj: Service) -> Service:  # mypy: StoreService fits the protocol
-    return obj
+__all__ = ["BAD_POLICY", "POLICY_A", "POLICY_B", "UNREALIZABLE", "StoreService"]
 
 
 @pytest.fixture
@@ -184,11 +47,7 @@ def service(tmp_path: Path) -> StoreService:
 
 @pytest.fixture
 def client(service: StoreService) -> TestClient:
-    return TestClient(api.create_app(_is_service(service)))
-
-
-def put(client: TestClient, text: str, base: int | None = None, **kw: Any) -> httpx.Response:
-    return client.put("/v1/policy", json={"yaml": text, "base_version": base, **kw})
+    return TestClient(api.create_app(as_service(service)))
 
 
 # --------------------------------------------------------------------------
@@ -499,9 +358,6 @@ def test_unexpected_error_is_500_and_logged(client: TestClient, service: StoreSe
 # --------------------------------------------------------------------------
 # Auth
 # --------------------------------------------------------------------------
-TOKEN = "s3cret-token"
-
-
 def test_token_required_except_healthz(service: StoreService) -> None:
     with pytest.raises(ValueError):
         api.create_app(service, token="")
@@ -531,168 +387,10 @@ def test_token_required_except_healthz(service: StoreService) -> None:
     assert TestClient(api.create_app(service)).get("/v1/status").status_code == 200
 
 
-# --------------------------------------------------------------------------
-# OpenAPI
-# --------------------------------------------------------------------------
-def test_openapi_document_is_checked_in() -> None:
-    assert OPENAPI.exists(), "run: python -m qosd.api --openapi docs/api/openapi.json"
-    assert OPENAPI.read_text() == api.openapi_text(), (
-        "docs/api/openapi.json is stale; run: python -m qosd.api --openapi docs/api/openapi.json"
-    )
-
-
-def test_openapi_describes_the_api(client: TestClient, tmp_path: Path) -> None:
-    doc = client.get("/openapi.json").json()
-    assert doc == api.openapi_document()
-    assert set(doc["paths"]) == {
-        "/v1/policy", "/v1/policy/validate", "/v1/policy/diff", "/v1/policy/history",
-        "/v1/policy/versions/{version}", "/v1/policy/rollback", "/v1/status",
-        "/v1/flows/top", "/v1/sla", "/healthz", "/readyz",
-    }
-    schemas = doc["components"]["schemas"]
-    assert "HTTPValidationError" not in schemas  # our 422 body is documented instead
-    assert schemas["ApplyBody"]["additionalProperties"] is False
-    assert schemas["ApplyBody"]["properties"]["yaml"]["maxLength"] == api.MAX_YAML_BYTES
-    put_op = doc["paths"]["/v1/policy"]["put"]
-    assert {"200", "401", "409", "413", "422", "503"} <= set(put_op["responses"])
-    assert doc["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-    out = tmp_path / "sub" / "openapi.json"
-    api.write_openapi(out)
-    assert json.loads(out.read_text()) == doc
-    assert api.main(["--openapi", str(out)]) == 0
-    assert [p.name for p in out.parent.iterdir()] == ["openapi.json"]  # no temp files left
-
-
-def test_schemathesis_fuzz(tmp_path: Path) -> None:
-    """Fuzz every operation (valid and invalid inputs): never a 500, responses
-    match the schema, and the policy version only moves on a 2xx PUT/rollback."""
-    import hypothesis
-    from hypothesis import HealthCheck, Phase, given, settings
-    from schemathesis import GenerationMode
-    from schemathesis.checks import not_a_server_error
-    from schemathesis.openapi import from_asgi
-    from schemathesis.specs.openapi.checks import (
-        content_type_conformance,
-        response_schema_conformance,
-        status_code_conformance,
-    )
-
-    service = StoreService(tmp_path / "state")
-    app = api.create_app(service)
-    seed = TestClient(app)
-    assert put(seed, POLICY_A).status_code == 200
-    assert put(seed, POLICY_B).status_code == 200
-    schema = from_asgi("/openapi.json", app)
-    checks = [not_a_server_error, status_code_conformance, content_type_conformance,
-              response_schema_conformance]
-    moves: list[tuple[str, int]] = []
-    count = 0
-
-    for result in schema.get_all_operations():
-        operation = result.ok()
-        strategies = [
-            *((3, st) for st in schema.get_strategies_from_examples(operation)),  # documented
-            (20, operation.as_strategy(generation_mode=GenerationMode.POSITIVE)),
-            (20, operation.as_strategy(generation_mode=GenerationMode.NEGATIVE)),
-        ]
-        for examples, strategy in strategies:
-
-            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                      phases=[Phase.explicit, Phase.generate],
-                      suppress_health_check=list(HealthCheck))
-            @given(case=strategy)
-            def run(case: Any) -> None:
-                nonlocal count
-                before = service.store.version
-                response = case.call_and_validate(checks=checks)
-                count += 1
-                after = service.store.version
-                if after != before:
-                    key = f"{case.method.upper()} {case.path}"
-                    assert key in ("PUT /v1/policy", "POST /v1/policy/rollback"), key
-                    assert 200 <= response.status_code < 300, (key, response.status_code)
-                    moves.append((key, after))
-                elif case.method.upper() in ("PUT", "POST") and response.status_code < 300 \
-                        and case.path in ("/v1/policy", "/v1/policy/rollback"):
-                    pytest.fail(f"{case.path} answered {response.status_code} but the "
-                                "version did not move")
-
-            try:
-                run()
-            except hypothesis.errors.Unsatisfiable:
-                pass
-    assert count > 100
-    # every move was a 2xx PUT/rollback, one version each, and nothing else moved it
-    assert [v for _, v in moves] == list(range(3, 3 + len(moves)))
-    assert service.store.version == 2 + len(moves)
-    assert {"PUT /v1/policy", "POST /v1/policy/rollback"} <= {key for key, _ in moves}
-
-
-# --------------------------------------------------------------------------
-# Serving on sockets
-# --------------------------------------------------------------------------
-def test_uds_server_mode_0600_and_cleanup(tmp_path: Path, service: StoreService) -> None:
-    path = tmp_path / "run" / "qosd.sock"
-    # a stale socket file from a crashed daemon is replaced
-    path.parent.mkdir()
-    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    stale.bind(str(path))
-    stale.close()
-    server = api.bind_uds(api.create_app(service), path)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert server.address == str(path)
-    server.start_thread()
-    try:
-        # a second daemon must not steal a live socket
-        with pytest.raises(OSError, match="another process"):
-            api.bind_uds(api.create_app(service), path)
-        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)),
-                          base_url="http://qosd") as c:
-            assert c.get("/healthz").json() == {"ok": True}
-            assert c.put("/v1/policy", json={"yaml": POLICY_A}).json()["version"] == 1
-    finally:
-        server.stop()
-    assert not path.exists()
-    regular = tmp_path / "file"
-    regular.write_text("x")
-    with pytest.raises(FileExistsError):
-        api.bind_uds(api.create_app(service), regular)
-
-
-def test_async_serve_uds_and_tcp(tmp_path: Path, service: StoreService) -> None:
-    path = tmp_path / "qosd.sock"
-
-    async def main() -> None:
-        servers = await api.serve(api.create_app(service), uds=str(path), tcp="127.0.0.1:0",
-                                  app_tcp=api.create_app(service, token=TOKEN))
-        _, tcp = servers
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        port = tcp.port
-        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(path)),
-                                     base_url="http://qosd") as c:
-            assert (await c.get("/v1/status")).status_code == 200
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
-            assert (await c.get("/healthz")).status_code == 200
-            assert (await c.get("/v1/status")).status_code == 401
-            r = await c.get("/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
-            assert r.status_code == 200
-        for s in servers:
-            await s.stop_async()
-        assert not path.exists()
-
-    asyncio.run(asyncio.wait_for(main(), 30))
-
-
-def test_split_hostport() -> None:
-    assert api.split_hostport("127.0.0.1:8470") == ("127.0.0.1", 8470)
-    assert api.split_hostport("[::1]:80") == ("::1", 80)
-    for bad in ("8470", ":80", "host:", "host:99999", "host:x"):
-        with pytest.raises(ValueError):
-            api.split_hostport(bad)
 
 
 def test_sla_report_round_trip(client: Any) -> None:
-    body = {"stage": "audio-frontend", "reports": [
+    body: dict[str, Any] = {"stage": "audio-frontend", "reports": [
         {"sla_class": "voice", "modality": "audio", "window_s": 5.0, "frames": 500,
          "deadline_misses": 2, "drops": 0, "errors": 0, "attainment": 0.996,
          "e2e_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0, "max": 9.0}}]}

@@ -1,0 +1,220 @@
+"""The two FastAPI apps over one service: the admin API (:func:`create_app`)
+and the report-only SLA API for sidecars (:func:`create_sla_app`).  Both take
+``POST /v1/sla`` through the one route :func:`_add_sla_report` adds.
+
+Routes call the synchronous service in a worker thread; what it raises is
+answered by qosd/api/errors.py, and qosd/api/guard.py wraps each app.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Query
+from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from mmmesh.slareport import SlaAccepted, SlaReport, SlaView
+
+from ..errors import NotFoundError
+from ..model import Service
+from .errors import (
+    E401,
+    E404,
+    E409,
+    E413,
+    E422,
+    E500,
+    E503,
+    REQUEST_HANDLERS,
+    SERVICE_HANDLERS,
+    Responses,
+    install_handlers,
+)
+from .guard import Guard, documents_bearer
+from .models import (
+    MAX_VERSION,
+    ApplyBody,
+    ApplyResult,
+    DiffResult,
+    Flow,
+    Health,
+    History,
+    PolicyDocument,
+    RollbackBody,
+    Status,
+    TopFlows,
+    ValidateResult,
+    VersionInfo,
+    YamlBody,
+)
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "1"
+
+
+def _add_sla_report(router: APIRouter, service: Service) -> None:
+    """Adds ``POST /sla`` (a sidecar's report) to ``router``: the one handler of
+    it, for the admin API and the report-only socket alike."""
+
+    @router.post("/sla", response_model=SlaAccepted, responses={**E413, **E422},
+                 summary="a sidecar's SLA measurements for its last window", tags=["sla"])
+    async def post_sla(body: SlaReport) -> SlaAccepted:
+        return SlaAccepted(accepted=await run_in_threadpool(service.report_sla, body))
+
+
+def _policy_routes(v1: APIRouter, service: Service) -> None:
+    """``/policy...``: read, validate, apply, diff, history, rollback."""
+
+    @v1.get("/policy", response_model=PolicyDocument, responses={**E404},
+            summary="the current policy", tags=["policy"])
+    async def get_policy() -> PolicyDocument:
+        pv = await run_in_threadpool(service.policy)
+        if pv is None:
+            raise NotFoundError("no policy has been applied yet")
+        return PolicyDocument.of(pv)
+
+    @v1.put("/policy", response_model=ApplyResult, responses={**E409, **E413, **E422, **E503},
+            summary="apply a policy as a new version", tags=["policy"])
+    async def put_policy(body: ApplyBody) -> ApplyResult:
+        result = await run_in_threadpool(service.apply, body.yaml, body.base_version, body.author)
+        return ApplyResult.of(result)
+
+    @v1.post("/policy/validate", response_model=ValidateResult, responses={**E413, **E422},
+             summary="check a policy without applying it", tags=["policy"])
+    async def validate_policy(body: YamlBody) -> ValidateResult:
+        policy = await run_in_threadpool(service.validate, body.yaml)
+        return ValidateResult(valid=True, policy=policy)
+
+    @v1.post("/policy/diff", response_model=DiffResult, responses={**E413, **E422},
+             summary="diff the current policy against a proposed one", tags=["policy"])
+    async def diff_policy(body: YamlBody) -> DiffResult:
+        diff = await run_in_threadpool(service.diff, body.yaml)
+        return DiffResult(diff=diff, changed=bool(diff))
+
+    @v1.get("/policy/history", response_model=History, summary="stored versions, newest first",
+            tags=["policy"])
+    async def policy_history() -> History:
+        versions = await run_in_threadpool(service.history)
+        return History(versions=[VersionInfo.of(pv) for pv in versions])
+
+    @v1.get("/policy/versions/{version}", response_model=PolicyDocument,
+            responses={**E404, **E422}, summary="one stored version", tags=["policy"])
+    async def get_version(version: Annotated[int, PathParam(ge=1, le=MAX_VERSION)],
+                          ) -> PolicyDocument:
+        versions = await run_in_threadpool(service.history)
+        for pv in versions:
+            if pv.version == version:
+                return PolicyDocument.of(pv)
+        raise NotFoundError(f"no policy version {version}")
+
+    @v1.post("/policy/rollback", response_model=ApplyResult,
+             responses={**E404, **E409, **E413, **E422, **E503},
+             summary="apply an earlier version again, as a new version", tags=["policy"])
+    async def rollback_policy(body: RollbackBody) -> ApplyResult:
+        result = await run_in_threadpool(service.rollback, body.to_version, body.base_version,
+                                         body.author)
+        return ApplyResult.of(result)
+
+
+def _status_routes(v1: APIRouter, service: Service) -> None:
+    """``/status``, ``/flows/top`` and the SLA board (``/sla``, both methods)."""
+
+    @v1.get("/status", response_model=Status, summary="node, policy version, uplinks",
+            tags=["status"])
+    async def get_status() -> Status:
+        data = await run_in_threadpool(service.status)
+        return Status.model_validate(data)
+
+    @v1.get("/flows/top", response_model=TopFlows, responses={**E422},
+            summary="the busiest flows", tags=["status"])
+    async def top_flows(n: Annotated[int, Query(ge=1, le=1000, description="how many")] = 20,
+                        ) -> TopFlows:
+        rows = await run_in_threadpool(service.top_flows, n)
+        return TopFlows(flows=[Flow.of(r) for r in rows])
+
+    _add_sla_report(v1, service)
+
+    @v1.get("/sla", response_model=SlaView, summary="latest SLA windows: per sidecar, per stage "
+            "(replicas merged), per class (node-wide)",
+            tags=["sla"])
+    async def get_sla() -> SlaView:
+        return SlaView.model_validate(await run_in_threadpool(service.sla))
+
+
+def _health_routes(app: FastAPI, service: Service) -> None:
+    """``/healthz`` (never needs a token) and ``/readyz``: 200 or 503 ``{"ok"}``."""
+
+    async def probe(check: Callable[[], bool], what: str) -> JSONResponse:
+        try:
+            ok = bool(await run_in_threadpool(check))
+        except Exception:
+            log.exception("%s check failed", what)
+            ok = False
+        return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
+
+    answers: Responses = {200: {"model": Health},
+                          503: {"model": Health, "description": "not ok"}}
+
+    @app.get("/healthz", response_model=Health, responses=answers,
+             summary="liveness; never needs a token", tags=["health"])
+    async def healthz() -> JSONResponse:
+        return await probe(service.healthy, "health")
+
+    @app.get("/readyz", response_model=Health, responses={**answers, **E401},
+             dependencies=[Depends(documents_bearer)],
+             summary="readiness: dataplane loaded and a policy reconciled", tags=["health"])
+    async def readyz() -> JSONResponse:
+        return await probe(service.ready, "readiness")
+
+
+def create_app(service: Service, *, token: str | None = None) -> FastAPI:
+    """The admin API over ``service``; with ``token``, all but /healthz need it."""
+    if token is not None and not token:
+        raise ValueError("an empty token would let anybody in; pass None for no token")
+    app = FastAPI(
+        title="qosd admin API",
+        version=API_VERSION,
+        description=(
+            "Local admin API of qosd, mmmesh's node daemon: SLA policy versions "
+            "(validate, apply, diff, history, rollback), status, the busiest flows and "
+            "the sidecars' SLA reports.  "
+            "Served on a unix socket (mode 0600) and optionally on TCP with a bearer token."
+        ),
+        generate_unique_id_function=lambda route: route.name,
+    )
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(documents_bearer)],
+                   responses={**E401, **E500})
+    _policy_routes(v1, service)
+    _status_routes(v1, service)
+    app.include_router(v1)
+    _health_routes(app, service)
+    install_handlers(app, [*SERVICE_HANDLERS, *REQUEST_HANDLERS])
+    app.add_middleware(Guard, token=token)
+    return app
+
+
+def create_sla_app(service: Service) -> FastAPI:
+    """The report-only API for sidecars: ``POST /v1/sla`` and ``GET /healthz``.
+
+    Served on its own unix socket (mode 0666 by default) so that model pods
+    can report without being able to touch policies: the admin socket stays
+    root-only."""
+    app = FastAPI(title="qosd SLA report API", version=API_VERSION,
+                  generate_unique_id_function=lambda route: route.name,
+                  docs_url=None, redoc_url=None)
+    v1 = APIRouter(prefix="/v1")
+    _add_sla_report(v1, service)
+    app.include_router(v1)
+
+    @app.get("/healthz", response_model=Health, tags=["health"])
+    async def healthz() -> Health:
+        return Health(ok=True)
+
+    install_handlers(app, REQUEST_HANDLERS)
+    app.add_middleware(Guard, token=None)
+    return app
