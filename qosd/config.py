@@ -12,13 +12,15 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
 )
+
+from mmmesh._net import parse_hostport
 
 DEFAULT_CONFIG = Path("/etc/mmmesh/qosd.yaml")
 
@@ -58,12 +60,14 @@ class QosdConfig(BaseSettings):
 
     @field_validator("api_tcp", "metrics_addr")
     @classmethod
-    def _hostport(cls, v: str | None) -> str | None:
+    def _hostport(cls, v: str | None, info: ValidationInfo) -> str | None:
+        """``host:port`` or ``[v6-address]:port`` (mmmesh/_net.py); "" means None.
+        Port 0 is refused: clients must know where to connect."""
         if v is None or v == "":
             return None
-        host, sep, port = v.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"expected host:port, got {v!r}")
+        _, port = parse_hostport(v, what=str(info.field_name))
+        if port == 0:
+            raise ValueError(f"{info.field_name} {v!r}: needs a fixed port (1..65535), not 0")
         return v
 
     def token(self) -> str | None:
