@@ -48,7 +48,8 @@ from ._types import (
     ipv4_mapped,
 )
 
-API_VERSION = "mmmesh/v1"
+ApiVersion = Literal["mmmesh/v1"]
+API_VERSION: ApiVersion = "mmmesh/v1"  # the one value ApiVersion allows (mypy checks)
 MAX_WEIGHT = 100
 # HTB quantum per unit of weight, in bytes: one full Ethernet frame, so that
 # weight 1 still sends a whole frame per round and weight 100 (151400 bytes)
@@ -229,7 +230,7 @@ class Policy(_Model):
         extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True
     )
 
-    api_version: Literal["mmmesh/v1"] = Field(alias="apiVersion")
+    api_version: ApiVersion = Field(alias="apiVersion")
     description: str | None = None
     link: Link
     classes: tuple[TrafficClass, ...]
