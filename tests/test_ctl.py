@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mmmesh import ctl
-from mmmesh.ctl import _client, _fast, _node
+from mmmesh.ctl import _client, _fast, _node, _render
 from mmmesh.policy import parse_policy
 from qosd import api
 
@@ -188,6 +189,50 @@ def test_status(node: Node, files: dict[str, str]) -> None:
     assert "uplink eth0" in r.out and "loaded, flows 3" in r.out
     st = json.loads(node.run("status", "-o", "json").out)
     assert st["policy_version"] == 1 and st["node"] == "node-a"
+
+
+def test_status_sla_tables(tmp_path: Path) -> None:
+    """The SLA tables of ``status`` from a ``sla`` object built with qosd's own schema."""
+    from mmmesh.slareport import Quantiles, SlaMerged, SlaView
+
+    window: dict[str, Any] = {
+        "sla_class": "voice", "modality": "audio", "sources": 2, "window_s": 5.0,
+        "frames": 1000, "deadline_misses": 12, "drops": 3, "errors": 1, "attainment": 0.988,
+        "e2e_ms": Quantiles(p50=1.3, p90=2.0, p99=7.5, max=9.0),
+        "received_at": time.time() - 7200}
+    view = SlaView(instances=[], stages=[SlaMerged(stage="audio-frontend", **window)],
+                   classes=[SlaMerged(**{**window, "sources": 3, "e2e_ms": None})])
+    status = {"node": "node-a", "policy_version": 1, "sla": view.model_dump(mode="json")}
+    srv = RawServer(tmp_path / "raw.sock", http("200 OK", json.dumps(status).encode()))
+    try:
+        res = CliRunner().invoke(ctl.app, ["--socket", str(srv.path), "status"], env=ENV)
+    finally:
+        srv.close()
+    assert res.exit_code == 0, res.output
+    lines = [ln.split() for ln in res.stdout.splitlines()]
+    stages = lines.index(["STAGE", "CLASS", "MODALITY", "SIDECARS", "FRAMES", "IN", "DEADLINE",
+                          "MISSES", "DROPS", "ERRORS", "E2E", "P50", "E2E", "P99", "AGE"])
+    assert lines[stages + 1] == ["audio-frontend", "voice", "audio", "2", "1000", "98.8%", "12",
+                                 "3", "1", "1.3", "ms", "7.5", "ms", "2.0h"]
+    classes = lines.index(["CLASS", "MODALITY", "WINDOWS", "FRAMES", "IN", "DEADLINE", "MISSES",
+                           "DROPS", "ERRORS", "E2E", "P50", "E2E", "P99", "AGE"])
+    assert lines[classes + 1] == ["voice", "audio", "3", "1000", "98.8%", "12", "3", "1", "-",
+                                  "-", "2.0h"]
+    assert lines[stages - 1][:4] == ["SLA", "attainment", "per", "stage"]
+    assert lines[classes - 1][:4] == ["SLA", "per", "class,", "node-wide"]
+
+
+def test_sla_columns_are_the_schemas() -> None:
+    """Every field the SLA tables read is a field of mmmesh/slareport.py's SlaMerged."""
+    from mmmesh.slareport import Quantiles, SlaMerged
+
+    for _, field in _render.SLA_COLUMNS:
+        name, _, quantile = field.partition(".")
+        assert name in SlaMerged.model_fields, field
+        if quantile:
+            assert SlaMerged.model_fields[name].annotation == Quantiles | None, field
+            assert quantile in Quantiles.model_fields, field
+    assert len(_render.SLA_COLUMNS) == 12
 
 
 def test_flows_top_once(node: Node) -> None:

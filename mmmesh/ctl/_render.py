@@ -273,27 +273,46 @@ def _uplink_table(dev: str, info: dict[str, Any]) -> Table:
     return t
 
 
+# The SLA tables' columns: (header, field of slareport.SlaMerged; "a.b" is
+# field b of the object in field a).  tests/test_ctl.py checks the names
+# against mmmesh/slareport.py, so the schema stays the one source of them
+# without importing pydantic here.
+SLA_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("STAGE", "stage"), ("CLASS", "sla_class"), ("MODALITY", "modality"),
+    ("SIDECARS", "sources"), ("FRAMES", "frames"), ("IN DEADLINE", "attainment"),
+    ("MISSES", "deadline_misses"), ("DROPS", "drops"), ("ERRORS", "errors"),
+    ("E2E P50", "e2e_ms.p50"), ("E2E P99", "e2e_ms.p99"), ("AGE", "received_at"))
+
+
 def _sla_table(rows: list[dict[str, Any]], title: str, *, per_stage: bool) -> Table:
-    """Merged SLA rows (api.SlaMerged): one per stage and class, or per class."""
+    """Merged SLA rows (``SlaView.stages`` or ``.classes``, each a SlaMerged): one
+    per stage and class (``sources`` = sidecars), or per class node-wide (no
+    stage; ``sources`` = windows)."""
+    t = _table(title)
+    fields = [f for _, f in SLA_COLUMNS if per_stage or f != "stage"]
+    for head, field in SLA_COLUMNS:
+        if field in fields:
+            t.add_column("WINDOWS" if field == "sources" and not per_stage else head,
+                         justify="left" if field in ("stage", "sla_class", "modality")
+                         else "right")
+    for r in rows:
+        t.add_row(*(_sla_cell(r, field) for field in fields))
+    return t
+
+
+def _sla_cell(row: dict[str, Any], field: str) -> Any:
     from rich.text import Text
 
-    t = _table(title)
-    cols = (("STAGE",) if per_stage else ()) + (
-        "CLASS", "MODALITY", "SIDECARS" if per_stage else "WINDOWS", "FRAMES", "IN DEADLINE",
-        "MISSES", "DROPS", "ERRORS", "E2E P50", "E2E P99", "AGE")
-    for col in cols:
-        t.add_column(col, justify="left" if col in ("STAGE", "CLASS", "MODALITY") else "right")
-    for r in rows:
-        e2e = r.get("e2e_ms") or {}
-        att = float(r.get("attainment", 1.0))
-        cells: list[Any] = ([str(r.get("stage"))] if per_stage else []) + [
-            str(r.get("sla_class")), str(r.get("modality")), str(r.get("sources")),
-            str(r.get("frames")), Text(f"{att * 100:.1f}%", style="" if att >= 0.99 else "red"),
-            str(r.get("deadline_misses")), str(r.get("drops")), str(r.get("errors")),
-            f"{e2e['p50']:.1f} ms" if e2e else "-",
-            f"{e2e['p99']:.1f} ms" if e2e else "-", _ago(r.get("received_at"))]
-        t.add_row(*cells)
-    return t
+    name, _, quantile = field.partition(".")
+    value = row.get(name)
+    if quantile:  # e2e_ms is None when no frame of the window had a timestamp
+        return f"{value[quantile]:.1f} ms" if value else "-"
+    if name == "attainment":
+        att = float(row.get(name, 1.0))
+        return Text(f"{att * 100:.1f}%", style="" if att >= 0.99 else "red")
+    if name == "received_at":
+        return _ago(value)
+    return str(value)
 
 
 # -- flows --------------------------------------------------------------------
