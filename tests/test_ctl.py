@@ -398,6 +398,23 @@ def test_broken_answers(tmp_path: Path, answer: bytes, code: int, message: str) 
     assert res.stdout == ""
 
 
+def test_answer_before_the_body_was_read(tmp_path: Path) -> None:
+    """A server that answers 401 after the headers and closes without reading a
+    1 MiB body: the client shows that answer (exit 7), not the broken pipe (5)."""
+    big = tmp_path / "big.yaml"
+    big.write_text(POLICY_A + ("#" * 1023 + "\n") * 1024)
+    srv = RawServer(tmp_path / "raw.sock", http("401 Unauthorized",
+                                                b'{"error": "unauthorized", "message": "no"}'))
+    try:
+        res = CliRunner().invoke(ctl.app, ["--socket", str(srv.path), "policy", "apply", "-f",
+                                           str(big)], env=ENV)
+    finally:
+        srv.close()
+    assert (res.exit_code, res.stdout) == (ctl.EXIT.AUTH, ""), res.stderr
+    assert "authentication failed" in res.stderr
+    assert len(srv.requests[0]) < 1 << 20  # the body was cut short
+
+
 def test_request_on_the_wire(tmp_path: Path, files: dict[str, str]) -> None:
     srv = RawServer(tmp_path / "raw.sock",
                     http("200 OK", b'{"version": 7, "reconcile": {"ok": true, "duration_s": 0.05}}'))

@@ -145,8 +145,14 @@ class Conn:
         try:
             conn.connect()  # within the connect timeout (--timeout, at most 5 s)
             conn.sock.settimeout(self.timeout)  # then up to --timeout for each read
-            conn.request(method, prefix + path, body=body, headers=headers)
-            r = conn.getresponse()
+            try:
+                conn.request(method, prefix + path, body=body, headers=headers)
+            except (BrokenPipeError, ConnectionResetError) as cut:
+                # A server may answer before it has read the whole body (a 401 for
+                # a large policy) and close: that answer, when there is one.
+                r = _early_answer(conn, cut)
+            else:
+                r = conn.getresponse()
             return Response(r.status, r.read())
         finally:
             conn.close()
@@ -185,6 +191,18 @@ class Conn:
             except ValueError:
                 fail(EXIT.OTHER, f"error: qosd sent a non-JSON answer ({r.status_code})")
         _http_error(r)
+
+
+def _early_answer(conn: http.client.HTTPConnection,
+                  cut: OSError) -> http.client.HTTPResponse:
+    """The answer that came before sending the request failed with ``cut``;
+    ``cut`` itself when none came."""
+    import http.client
+
+    try:
+        return conn.getresponse()
+    except (OSError, http.client.HTTPException):
+        raise cut from None
 
 
 def _host_port(netloc: str) -> tuple[str, int | None]:
