@@ -6,9 +6,10 @@ Which socket serves what (qosd/daemon.py sets them up from qosd/config.py):
     api_tcp     TCP, optional                 create_app(token=...): the same, and every
                                               endpoint but /healthz needs
                                               ``Authorization: Bearer <token>``
-    sla_socket  unix, mode 0666 (sla.sock)    create_sla_app: only POST /v1/sla (and a
-                                              GET /healthz that always answers ok), so
-                                              model pods can report but not touch policies
+    sla_socket  unix, mode 0666 (sla.sock)    create_sla_app: only POST /v1/sla, so model
+                                              pods can report but not touch policies
+                                              (besides: GET /healthz, always ok, and
+                                              GET /openapi.json of that one route)
 
 The admin API:
 

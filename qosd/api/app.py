@@ -199,7 +199,8 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
 
 
 def create_sla_app(service: Service) -> FastAPI:
-    """The report-only API for sidecars: ``POST /v1/sla`` and ``GET /healthz``.
+    """The report-only API for sidecars: ``POST /v1/sla`` and ``GET /healthz``
+    (and ``GET /openapi.json`` describing them).
 
     Served on its own unix socket (mode 0666 by default) so that model pods
     can report without being able to touch policies: the admin socket stays
