@@ -32,7 +32,6 @@ from ._abi import (
     MMH_VERSION,
     TENSOR_MAX_DIMS,
     TLV_FIXED_LEN,
-    Flag,
     Tlv,
 )
 from ._errors import WireError
@@ -53,7 +52,6 @@ _U32 = struct.Struct("!I")
 _U64 = struct.Struct("!Q")
 _TLV_HDR = struct.Struct("!BB")
 _TENSOR_HDR = struct.Struct("!BB")
-_KNOWN_FLAGS = int(Flag.ERROR | Flag.END_OF_STREAM)
 
 # Integer TLVs: Header attribute -> (TLV type, struct).  Order = emission order.
 _INT_TLVS: tuple[tuple[str, Tlv, struct.Struct], ...] = (
@@ -139,15 +137,15 @@ def encode_header(h: Header, *, align: int = 1, payload_len: int | None = None) 
     ``align`` > 1 appends a PAD TLV so that the payload starts at a multiple of
     ``align`` bytes from the frame start.  ``payload_len``, when given, is
     written instead of ``h.payload_len``.  ``h.hdr_len`` is ignored.  The
-    flags byte must not set reserved bits.  Raises :class:`WireError` (a
+    flags byte is written as given, reserved bits included: re-encoding a
+    decoded header keeps them, as it keeps unknown TLVs (a sender that
+    originates a frame sets only known bits).  Raises :class:`WireError` (a
     ``ValueError``) if a field is out of range or the header would exceed 255
     bytes or 16 TLVs.
     """
     _check_uint("modality", h.modality, 8, MMH_OFF_MODALITY)
     _check_uint("sla_class", h.sla_class, 8, MMH_OFF_CLASS)
-    _check_uint("flags", h.flags, 8, MMH_OFF_FLAGS)
-    if h.flags & ~_KNOWN_FLAGS:
-        raise WireError(f"flags {h.flags:#04x} set reserved bits (senders send 0)", MMH_OFF_FLAGS)
+    _check_uint("flags", h.flags, 8, MMH_OFF_FLAGS)  # reserved bits are written as given
     plen = h.payload_len if payload_len is None else payload_len
     _check_uint("payload_len", plen, 32, MMH_OFF_PAYLOAD_LEN)
     if plen > MMH_MAX_PAYLOAD:

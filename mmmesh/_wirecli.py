@@ -11,22 +11,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from enum import IntEnum
 from typing import Any
 
+from ._abi import DType, Modality
 from ._errors import WireError
-from .wire import (
-    Header,
-    decode_header,
-    encode_header,
-    modality_name,
-    parse_modality,
-    traceparent_from_text,
-)
+from .wire import Header, decode_header, encode_header, parse_modality, traceparent_from_text
 
 # (option, Header attribute, help) for the integer options of `encode`.
 _INT_OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--class", "sla_class", "requested SLA class id (0 = none)"),
-    ("--flags", "flags", "flag bits (1 = error, 2 = end of stream)"),
+    ("--flags", "flags", "flags byte (1 = error, 2 = end of stream; other bits reserved)"),
     ("--payload-len", "payload_len", "payload bytes that follow the header"),
     ("--stream-id", "stream_id", "STREAM_ID TLV (u32)"),
     ("--seq", "sequence", "SEQUENCE TLV (u64)"),
@@ -83,10 +78,23 @@ def cmd_encode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _name_or_number(value: int, enum: type[IntEnum], lower: bool) -> str | int:
+    """The enum member's name for a known value, the number itself otherwise."""
+    try:
+        name = enum(value).name
+    except ValueError:
+        return value
+    return name.lower() if lower else name
+
+
 def header_to_json(h: Header) -> dict[str, Any]:
-    """A JSON-ready dict of every Header field (modality by name)."""
+    """The JSON object ``mmmesh wire decode`` prints (``docs/wire-format.md`` section 9).
+
+    Every key is always present, in this order; absent TLVs are ``null``.
+    Modality and dtype are names when known, numbers otherwise.
+    """
     return {
-        "modality": modality_name(h.modality),
+        "modality": _name_or_number(h.modality, Modality, lower=True),
         "sla_class": h.sla_class,
         "flags": h.flags,
         "payload_len": h.payload_len,
@@ -99,10 +107,13 @@ def header_to_json(h: Header) -> dict[str, Any]:
         "density": h.density,
         "tensor": None
         if h.tensor is None
-        else {"dtype": h.tensor.dtype_name, "shape": list(h.tensor.shape)},
+        else {
+            "dtype": _name_or_number(h.tensor.dtype, DType, lower=False),
+            "shape": list(h.tensor.shape),
+        },
         "traceparent": h.traceparent_text,
         "error": None if h.error is None else {"code": h.error[0], "message": h.error[1]},
-        "extra": [{"type": t, "value": v.hex()} for t, v in h.extra],
+        "extra": [{"type": t, "value": bytes(v).hex()} for t, v in h.extra],
         "hdr_len": h.hdr_len,
     }
 

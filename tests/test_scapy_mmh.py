@@ -146,3 +146,12 @@ def test_unbind_restores_dissection() -> None:
     finally:
         bind_mmh_port(PORT)
     assert MMH in IP(data)
+
+
+def test_reserved_flag_bits_survive_scapy_both_ways() -> None:
+    """docs/wire-format.md 2.3: reserved bits are kept, in the layer as in the codec."""
+    pkt = MMH(modality="audio", flags=0x81)
+    assert decode_header(bytes(pkt)).flags == 0x81
+    h = Header(Modality.AUDIO, flags=0xFC, stream_id=1)
+    assert bytes(mmh_from_header(h)) == encode_header(h)
+    assert MMH(encode_header(h)).flags == 0xFC and header_from_mmh(MMH(encode_header(h))) == h

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import random
 import re
-import struct
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,6 @@ from mmmesh._abi import (
 from mmmesh._errors import MeshError, WireError
 from mmmesh._wirecli import header_to_json
 from mmmesh.wire import (
-    FrameReader,
     Header,
     TensorSpec,
     decode_frame,
@@ -32,29 +29,11 @@ from mmmesh.wire import (
     frame,
     peek_class_inputs,
 )
+from tests.mmh_bytes import raw_header, tlv
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "wire-format.md"
 TRACE_TEXT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 TRACE = bytes.fromhex("004bf92f3577b34da6a3ce929d0e0e473600f067aa0ba902b701")
-
-
-def raw_header(
-    tlvs: bytes = b"",
-    *,
-    hdr_len: int | None = None,
-    modality: int = 4,
-    sla: int = 0,
-    flags: int = 0,
-    plen: int = 0,
-    magic: bytes = b"MMH\x01",
-) -> bytes:
-    """Hand-built header bytes (no validation), for malformed cases."""
-    n = 12 + len(tlvs) if hdr_len is None else hdr_len
-    return magic + bytes([n, modality, sla, flags]) + struct.pack("!I", plen) + tlvs
-
-
-def tlv(typ: int, value: bytes) -> bytes:
-    return bytes([typ, len(value)]) + value
 
 
 FULL = Header(
@@ -153,9 +132,15 @@ def test_decoder_accepts_any_tlv_order_pad_and_unknown() -> None:
     assert decode_header(encode_header(out)) == out
 
 
-def test_unknown_flag_bits_are_kept_and_ignored() -> None:
+def test_reserved_flag_bits_are_kept_and_written_back() -> None:
+    """docs/wire-format.md 2.3: decode keeps reserved bits, encode writes them as
+    given, so re-encoding a decoded header gives back the same bytes."""
     out = decode_header(raw_header(flags=0xFE))
-    assert out.flags == 0xFE
+    assert out.flags == 0xFE and out.flags & Flag.END_OF_STREAM
+    assert encode_header(Header(4, flags=0x81))[7] == 0x81
+    data = raw_header(tlv(1, b"\x00\x00\x00\x07") + tlv(0x99, b"x"), flags=0xFD, plen=3)
+    assert encode_header(decode_header(data)) == data
+    assert header_to_json(decode_header(data))["flags"] == 0xFD
 
 
 def test_decoder_accepts_memoryview_and_bytearray_and_trailing_bytes() -> None:
@@ -199,7 +184,7 @@ def test_align_one_byte_gap_uses_one_more_unit() -> None:
         ({"modality": 256}, "modality 256 does not fit"),
         ({"modality": -1}, "modality"),
         ({"modality": 4, "sla_class": 300}, "sla_class"),
-        ({"modality": 4, "flags": 0x80}, "reserved bits"),
+        ({"modality": 4, "flags": 0x100}, "flags 256 does not fit"),
         ({"modality": 4, "payload_len": MMH_MAX_PAYLOAD + 1}, "payload_len"),
         ({"modality": 4, "payload_len": 2**32}, "payload_len"),
         ({"modality": 4, "stream_id": 2**32}, "stream_id"),
@@ -296,6 +281,76 @@ MALFORMED: list[tuple[str, bytes, str, int]] = [
 ]
 
 
+# Inputs that break two rules: the first in the order of docs/wire-format.md
+# section 3 (steps 1..7, then 7a..7k within a TLV) is the one reported.
+ORDER: list[tuple[str, bytes, str, int]] = [
+    ("1 magic before 3 truncated", b"MX", r"^bad magic$", 0),
+    ("1 magic before 2 version", b"XMH\x09" + bytes(8), r"^bad magic$", 0),
+    ("2 version before 3 truncated", b"MMH\x00", r"^unsupported version 0$", 3),
+    ("2 version before 4 hdr_len", raw_header(magic=b"MMH\x02", hdr_len=3), r"version 2$", 3),
+    ("3 truncated before 4 hdr_len", b"MMH\x01\x05", r"^truncated$", 5),
+    ("4 hdr_len before 5 payload_len", raw_header(hdr_len=5, plen=2**31), r"hdr_len 5 < 12", 4),
+    (
+        "5 payload_len before 6 truncated",
+        raw_header(hdr_len=20, plen=2**31),
+        r"^payload_len 2147483648 exceeds 1073741824$",
+        8,
+    ),
+    ("5 payload_len before 7 TLVs", raw_header(tlv(1, b"abc"), plen=2**31), r"exceeds", 8),
+    ("6 truncated before 7 TLVs", raw_header(tlv(1, b"abc"), hdr_len=40), r"^truncated$", 17),
+    ("first bad TLV wins", raw_header(tlv(0x10, b"\0") + tlv(2, b"")), r"VIDEO_FPS TLV length", 13),
+    ("7a count before 7b header", raw_header(tlv(0x99, b"") * 16 + b"\x99"), r"more than 16", 44),
+    (
+        "7c value before 7e duplicate",
+        raw_header(tlv(1, bytes(4)) + b"\x01\x09" + bytes(4)),
+        r"STREAM_ID TLV value runs past hdr_len",
+        19,
+    ),
+    ("7e duplicate before 7f length", raw_header(tlv(1, bytes(4)) + tlv(1, b"ab")), r"dup", 18),
+    ("7h ndim before 7i length", raw_header(tlv(0x20, b"\x0b\x09" + bytes(4))), r"ndim 9", 15),
+    (
+        "7h ndim offset is the ndim byte",
+        raw_header(tlv(0x99, b"") + tlv(0x20, b"\x01\x0c")),
+        r"TENSOR ndim 12 > 8",
+        17,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "pattern", "offset"), [pytest.param(d, p, o, id=name) for name, d, p, o in ORDER]
+)
+def test_reading_order(data: bytes, pattern: str, offset: int) -> None:
+    with pytest.raises(WireError) as ei:
+        decode_header(data)
+    assert re.search(pattern, ei.value.reason), ei.value.reason
+    assert ei.value.offset == offset
+
+
+@pytest.mark.parametrize(
+    ("message", "index"),
+    [
+        (b"ok\xff", 2),  # a byte that never starts a code point
+        (b"x\x80", 1),  # a lone continuation byte
+        (b"\xe2\x82A", 0),  # wrong continuation: the lead byte
+        (b"abc\xc3", 3),  # cut short by the end of the message
+        (b"d\xc3\xa9j\xf0\x9f\x98", 4),  # valid code points first
+        (b"\xc0\x80", 0),  # overlong (C0, C1 never valid)
+        (b"\xe0\x80\x80", 0),  # overlong 3-byte
+        (b"\xf0\x80\x80\x80", 0),  # overlong 4-byte
+        (b"\xed\xa0\x80", 0),  # surrogate
+        (b"\xf4\x90\x80\x80", 0),  # above U+10FFFF
+        (b"\xf5\x80\x80\x80", 0),  # F5..FF never valid
+    ],
+)
+def test_error_utf8_offset_is_the_first_ill_formed_sequence(message: bytes, index: int) -> None:
+    """Step 7k: the offset is the first byte of the first ill-formed sequence."""
+    pad = tlv(0x99, b"ab")  # the ERROR TLV at 16, its message at 20
+    with pytest.raises(WireError, match="not valid UTF-8") as ei:
+        decode_header(raw_header(pad + tlv(0x40, b"\x00\x07" + message)))
+    assert ei.value.offset == 20 + index
+
+
 @pytest.mark.parametrize(
     ("data", "pattern", "offset"),
     [pytest.param(d, p, o, id=name) for name, d, p, o in MALFORMED],
@@ -381,115 +436,6 @@ def test_peek_class_inputs() -> None:
         peek_class_inputs(b"MMH\x09" + bytes(8))
     with pytest.raises(WireError, match="hdr_len"):
         peek_class_inputs(raw_header(hdr_len=5))
-
-
-# --------------------------------------------------------------------------
-# FrameReader
-# --------------------------------------------------------------------------
-def _stream(n: int, seed: int) -> tuple[bytes, list[tuple[Header, bytes]]]:
-    rng = random.Random(seed)
-    frames = []
-    for i in range(n):
-        h = Header(
-            rng.choice(list(Modality)),
-            sla_class=rng.randrange(64),
-            stream_id=i,
-            sequence=rng.randrange(2**64),
-            fps=rng.choice([None, 30, 60]),
-        )
-        payload = rng.randbytes(rng.choice([0, 1, 5, 100, 3000]))
-        frames.append((dataclass_replace(h, payload_len=len(payload)), payload))
-    data = b"".join(encode_header(h) + p for h, p in frames)
-    return data, frames
-
-
-def dataclass_replace(h: Header, **kw: object) -> Header:
-    import dataclasses
-
-    return dataclasses.replace(h, **kw)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_frame_reader_random_chunks(seed: int) -> None:
-    data, frames = _stream(40, seed)
-    rng = random.Random(1000 + seed)
-    reader = FrameReader()
-    got: list[tuple[Header, bytes]] = []
-    pos = 0
-    while pos < len(data):
-        n = rng.choice([1, 2, 3, 7, 12, 13, 100, 1500, 9000])
-        reader.feed(data[pos : pos + n])
-        pos += n
-        got.extend((h, bytes(p)) for h, p in reader)
-    reader.close()
-    assert got == frames
-    assert reader.buffered == 0 and reader.position == len(data)
-
-
-def test_frame_reader_whole_stream_is_zero_copy() -> None:
-    data, frames = _stream(10, 99)
-    reader = FrameReader()
-    reader.feed(data)
-    out = list(reader)
-    assert [(h, bytes(p)) for h, p in out] == frames
-    assert all(p.obj is data for _, p in out)
-
-
-def test_frame_reader_copies_writable_buffers() -> None:
-    data, frames = _stream(3, 5)
-    buf = bytearray(data)
-    reader = FrameReader()
-    reader.feed(buf)
-    buf[:] = bytes(len(buf))  # a reused receive buffer
-    assert [(h, bytes(p)) for h, p in reader] == frames
-
-
-def test_frame_reader_rejects_garbage_early_with_stream_offset() -> None:
-    data, _ = _stream(2, 1)
-    reader = FrameReader()
-    reader.feed(data + b"GE")
-    frames = iter(reader)
-    next(frames)
-    next(frames)
-    with pytest.raises(WireError) as ei:
-        next(frames)
-    assert ei.value.reason == "bad magic" and ei.value.offset == len(data)
-    with pytest.raises(WireError):  # stays failed
-        reader.feed(b"MMH")
-
-
-def test_frame_reader_malformed_tlv_offset_is_absolute() -> None:
-    first = b"".join(frame(Header(Modality.TEXT), b"abc"))
-    bad = raw_header(tlv(1, b"abc"))
-    reader = FrameReader()
-    reader.feed(first + bad)
-    with pytest.raises(WireError) as ei:
-        list(reader)
-    assert ei.value.offset == len(first) + 13
-
-
-def test_frame_reader_max_payload() -> None:
-    reader = FrameReader(max_payload=100)
-    reader.feed(raw_header(plen=101))
-    with pytest.raises(WireError, match="exceeds limit 100") as ei:
-        list(reader)
-    assert ei.value.offset == 8
-    with pytest.raises(ValueError):
-        FrameReader(max_payload=MMH_MAX_PAYLOAD + 1)
-
-
-def test_frame_reader_close_reports_partial_frame() -> None:
-    data = b"".join(frame(Header(Modality.TEXT), b"abcdef"))
-    reader = FrameReader()
-    reader.feed(data[:-2])
-    assert list(reader) == []
-    with pytest.raises(WireError, match="truncated payload"):
-        reader.close()
-    reader = FrameReader()
-    reader.feed(data[:5])
-    assert reader.next_frame() is None
-    with pytest.raises(WireError, match="^malformed MMH at byte 5: truncated$"):
-        reader.close()
 
 
 # --------------------------------------------------------------------------

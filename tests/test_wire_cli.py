@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from mmmesh import cli
-from mmmesh._abi import Modality
-from mmmesh.wire import Header, decode_header, encode_header
+from mmmesh._abi import DType, Modality
+from mmmesh.wire import Header, TensorSpec, decode_header, encode_header
 
-MMMESH = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "mmmesh"
+ROOT = Path(__file__).resolve().parent.parent
+MMMESH = ROOT / ".venv" / "bin" / "mmmesh"
+JSON_KEYS = [
+    "modality", "sla_class", "flags", "payload_len", "stream_id", "sequence", "timestamp_ns",
+    "deadline_ns", "fps", "bitrate", "density", "tensor", "traceparent", "error", "extra",
+    "hdr_len",
+]  # fmt: skip
 TRACE_TEXT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
@@ -107,6 +114,7 @@ def test_encode_decode_round_trip(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("hexdata", "offset", "reason"),
     [
+        ("", 0, "truncated"),
         ("4d4d4802" + "00" * 8, 3, "unsupported version 2"),
         ("00" * 12, 0, "bad magic"),
         ("4d4d4801", 4, "truncated"),
@@ -120,6 +128,66 @@ def test_decode_malformed_exits_1(
     assert code == 1 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and f"byte {offset}" in lines[0] and reason in lines[0]
+
+
+def decode_json(capsys: pytest.CaptureFixture[str], h: Header) -> dict[str, object]:
+    code, out, err = run(capsys, "decode", encode_header(h).hex())
+    assert (code, err) == (0, "")
+    doc: dict[str, object] = json.loads(out)
+    return doc
+
+
+def test_decode_json_has_every_key_in_order(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = decode_json(capsys, Header(Modality.AUDIO))
+    assert list(doc) == JSON_KEYS
+    assert doc["extra"] == [] and all(doc[k] is None for k in JSON_KEYS[4:14])
+
+
+@pytest.mark.parametrize(
+    ("modality", "dtype", "want_modality", "want_dtype"),
+    [
+        (Modality.VIDEO, DType.FP32, "video", "FP32"),
+        (Modality.UNSPEC, DType.BF16, "unspec", "BF16"),
+        (8, 0, 8, 0),  # unknown values are printed as numbers, not strings
+        (200, 15, 200, 15),
+        (255, 255, 255, 255),
+    ],
+)
+def test_decode_unknown_modality_and_dtype_are_numbers(
+    capsys: pytest.CaptureFixture[str], modality: int, dtype: int, want_modality: object,
+    want_dtype: object,
+) -> None:
+    doc = decode_json(capsys, Header(modality, tensor=TensorSpec(dtype, (2, 3))))
+    assert doc["modality"] == want_modality and type(doc["modality"]) is type(want_modality)
+    assert doc["tensor"] == {"dtype": want_dtype, "shape": [2, 3]}
+
+
+def test_decode_json_values(capsys: pytest.CaptureFixture[str]) -> None:
+    h = Header(4, flags=0xFF, sequence=2**64 - 1, error=(65535, "déjà"),
+               traceparent=b"\xff" * 26, extra=((0xF0, b""), (0x99, b"\xab\x01")))  # fmt: skip
+    doc = decode_json(capsys, h)
+    assert doc["flags"] == 0xFF and doc["sequence"] == 2**64 - 1
+    assert doc["error"] == {"code": 65535, "message": "déjà"}
+    assert doc["traceparent"] == "ff-" + "f" * 32 + "-" + "f" * 16 + "-ff"
+    assert doc["extra"] == [{"type": 0xF0, "value": ""}, {"type": 0x99, "value": "ab01"}]
+
+
+def test_docs_decode_example_is_what_the_cli_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """The console example of docs/wire-format.md section 9, to the byte."""
+    text = (ROOT / "docs" / "wire-format.md").read_text()
+    section = text[text.index("## 9. The JSON of `mmmesh wire decode`") :]
+    m = re.search(r"```console\n\$ mmmesh wire decode (\w+)\n(.*?)```", section, re.DOTALL)
+    assert m is not None
+    code, out, _ = run(capsys, "decode", m.group(1))
+    assert code == 0 and out == m.group(2)
+    first_cells = re.findall(r"^\| (`[a-z_]+`.*?) \|", section, flags=re.MULTILINE)
+    documented = [k for cell in first_cells for k in re.findall(r"`([a-z_]+)`", cell)]
+    assert documented == JSON_KEYS  # the key table names every key, in order
+
+
+def test_encode_writes_reserved_flag_bits_as_given(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "encode", "--modality", "audio", "--flags", "0x81")
+    assert code == 0 and decode_header(bytes.fromhex(out.strip())).flags == 0x81
 
 
 def test_decode_not_hex_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
