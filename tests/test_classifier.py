@@ -9,13 +9,13 @@ the pure-Python reference classifier."""
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import logging
 
 logging.getLogger("scapy.runtime").setLevel(logging.ERROR)
 
@@ -64,6 +64,13 @@ def udp(payload: bytes, src: str = SRC, dst: str = DST) -> bytes:
     return bytes(Ether() / IP(src=src, dst=dst) / UDP(sport=40000, dport=7000) / Raw(payload))
 
 
+def udp_len(data: bytes, ulen: int, *, mf: bool = False, trailer: bytes = b"") -> bytes:
+    """IPv4/UDP whose UDP length field is ``ulen`` whatever ``data`` holds; ``mf``
+    makes it a first fragment, ``trailer`` is Ethernet padding after the IP packet."""
+    ip = IP(src=SRC, dst=DST, proto=17, flags="MF" if mf else 0)
+    return bytes(Ether() / ip / Raw(struct.pack("!HHHH", 40000, 7000, ulen, 0) + data)) + trailer
+
+
 def udp6(payload: bytes, *ext: object, src: str = "fd00::1") -> bytes:
     pkt = IPv6(src=src, dst="fd00::2")
     for e in ext:
@@ -84,7 +91,7 @@ class Row:
     frame: bytes
     reason: str
     cls: str | None
-    modality: str | None = None
+    modality: str | int | None = None
     clamped: bool = False
     direction: str = "egress"
     ref: dict[str, object] | None = field(default=None)  # reference classifier inputs
@@ -103,8 +110,10 @@ def rows() -> Iterator[Row]:
     for m, cls in expect.items():
         yield Row(f"udp {m.name.lower()}", udp(hdr(m, stream_id=1)), "parsed", cls,
                   m.name.lower(), ref={"modality": int(m), "src_ip": SRC})
-    yield Row("udp unknown modality 99", udp(raw_hdr(99)), "parsed", "best-effort",
-              "unknown-99", ref={"modality": 99})
+    yield Row("udp unknown modality 99 (reported as a number)", udp(raw_hdr(99)), "parsed",
+              "best-effort", 99, ref={"modality": 99})
+    yield Row("udp modality 255 (cb's no-modality marker) is still 255 when parsed",
+              udp(raw_hdr(255)), "parsed", "best-effort", 255, ref={"modality": 255})
     yield Row("udp with payload", udp(hdr(M.AUDIO, payload_len=100) + b"\0" * 100), "parsed",
               "voice", "audio")
     # --- L2/L3 variants -----------------------------------------------
@@ -125,6 +134,27 @@ def rows() -> Iterator[Row]:
               "not_mesh", "best-effort")
     yield Row("ipv4 non-first fragment", bytes(Ether() / IP(src=SRC, dst=DST, frag=4, proto=17)
               / Raw(VOICE)), "not_mesh", "best-effort")
+    # --- IP fragments and the UDP length (docs/wire-format.md 6 and 7) ---
+    big = hdr(M.AUDIO, payload_len=1000)
+    yield Row("ipv4 first fragment: frame fits the UDP length, not the fragment",
+              udp_len(big + bytes(88), 8 + 12 + 1000, mf=True), "parsed", "voice", "audio")
+    yield Row("ipv4 first fragment: header cut by the fragment end",
+              udp_len(big[:8], 8 + 12 + 1000, mf=True), "malformed", "best-effort")
+    yield Row("ipv6 first fragment: frame fits the UDP length, not the fragment", bytes(
+        Ether() / IPv6(src="fd00::1", dst="fd00::2") / IPv6ExtHdrFragment(offset=0, m=1, id=6, nh=17)
+        / Raw(struct.pack("!HHHH", 1, 2, 8 + 12 + 1000, 0) + big + bytes(50))),
+        "parsed", "voice", "audio")
+    yield Row("UDP length shorter than the IP payload bounds the frame",
+              udp_len(hdr(M.AUDIO, payload_len=20) + bytes(20), 8 + 12 + 10), "malformed",
+              "best-effort")
+    yield Row("bytes after the UDP length are not read", udp_len(VOICE + b"MMH\x02" * 10,
+              8 + len(VOICE)), "parsed", "voice", "audio")
+    yield Row("frame shorter than the datagram: trailing bytes ignored",
+              udp(VOICE + b"\0" * 30), "parsed", "voice", "audio")
+    yield Row("payload only in the L2 padding does not count", udp_len(
+        hdr(M.AUDIO, payload_len=10), 8 + 12, trailer=bytes(10)), "malformed", "best-effort")
+    yield Row("UDP length below 8: an empty datagram", udp_len(VOICE, 4), "not_mesh",
+              "best-effort")
     # --- TCP flows ------------------------------------------------------
     opts = [("MSS", 1460), ("NOP", None), ("WScale", 7), ("SAckOK", b""), ("Timestamp", (1, 2))]
     yield Row("tcp first segment (options) video", tcp(hdr(M.VIDEO, fps=60, payload_len=5000)
@@ -137,6 +167,14 @@ def rows() -> Iterator[Row]:
               + b"c" * 10), "parsed", "control", "control")
     yield Row("tcp later segment follows the update", tcp(b"c" * 100), "flow_hit", "control",
               "control")
+    yield Row("tcp a third header re-classifies the flow again", tcp(hdr(M.VIDEO, payload_len=9)
+              + b"v" * 9), "parsed", "video", "video")
+    yield Row("tcp continuation after it: video", tcp(b"v" * 10), "flow_hit", "video", "video")
+    yield Row("tcp back to control", tcp(hdr(M.CONTROL, payload_len=9) + b"c" * 9), "parsed",
+              "control", "control")
+    yield Row("ipv4 later fragment between the flow's hosts is not matched to the flow", bytes(
+        Ether() / IP(src=SRC, dst=DST, proto=6, frag=100) / Raw(b"c" * 100)), "not_mesh",
+        "best-effort")
     yield Row("tcp other flow without header", tcp(b"x" * 100, sport=42000), "not_mesh",
               "best-effort")
     yield Row("tcp mid-flow bytes like a broken header keep the flow's class",
@@ -150,6 +188,18 @@ def rows() -> Iterator[Row]:
         Ether() / IP(src=SRC, dst=DST) / TCP(sport=41000, dport=7001, flags="FA")),
         "flow_hit", "control", "control")
     yield Row("after FIN the flow is gone", tcp(b"c" * 100), "not_mesh", "best-effort")
+    fin_hdr = bytes(Ether() / IP(src=SRC, dst=DST) / TCP(sport=47000, dport=7001, flags="FPA")
+                    / Raw(hdr(M.AUDIO, payload_len=5) + b"a" * 5))
+    yield Row("FIN segment with a header: classified by its header", fin_hdr, "parsed", "voice",
+              "audio")
+    yield Row("...and its flow is removed after it", tcp(b"a" * 10, sport=47000), "not_mesh",
+              "best-effort")
+    yield Row("RST: a flow learnt", tcp(hdr(M.VIDEO, payload_len=5) + b"v" * 5, sport=48000),
+              "parsed", "video", "video")
+    yield Row("RST segment still has the flow's class", bytes(Ether() / IP(src=SRC, dst=DST)
+              / TCP(sport=48000, dport=7001, flags="R")), "flow_hit", "video", "video")
+    yield Row("after RST the flow is gone", tcp(b"v" * 10, sport=48000), "not_mesh",
+              "best-effort")
     # --- not mesh -----------------------------------------------------
     yield Row("udp random payload", udp(b"hello, world" * 3), "not_mesh", "best-effort")
     yield Row("udp empty payload", udp(b""), "not_mesh", "best-effort")

@@ -41,7 +41,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--policy", required=True)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hex", nargs="+", metavar="HEX", help="Ethernet frames as hex")
+    # extend: "--hex A B" and "--hex A --hex B" both keep every frame, in order
+    src.add_argument("--hex", nargs="+", action="extend", metavar="HEX",
+                     help="Ethernet frames as hex (several per flag, and the flag repeated)")
     src.add_argument("--pcap", help="pcap file of Ethernet frames")
     p.add_argument("--direction", choices=("egress", "ingress"), default="egress")
     p.add_argument("--json", action="store_true", help="one JSON object per packet")

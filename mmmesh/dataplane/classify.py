@@ -9,10 +9,9 @@ pinned dataplane is never touched.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
-
 import errno
+from dataclasses import asdict, dataclass
+from typing import Any, Self
 
 from .. import _abi
 from .._errors import DataplaneError
@@ -26,15 +25,23 @@ TC_ACT_OK = 0
 TC_ACT_NAMES = {0: "pass", 2: "drop", 7: "redirect", -1: "unspec"}
 
 
+# Reasons after which cb[] carries a real modality (the header's or the flow's):
+# there, 255 is that modality, not the NO_MODALITY marker.
+_MODALITY_IS_REAL = frozenset({"parsed", "flow_hit"})
+
+
 @dataclass(frozen=True)
 class Verdict:
+    """What the program decided for one frame; the fields of ``classify --json``
+    (documented in docs/architecture.md, "How a packet travels")."""
+
     verdict: str  # "pass" for TC_ACT_OK
     retval: int
-    priority: int  # skb->priority after the program (the HTB class id)
+    priority: int  # skb->priority after the program (the HTB class id), 0 on ingress
     classid: str | None  # "1:b"
     class_id: int  # policy class id (0 = none)
     class_: str | None  # class name
-    modality: str | None
+    modality: str | int | None  # name, number if unknown, None without header or flow
     reason: str  # parsed | flow_hit | not_mesh | malformed
     clamped: bool
     flow_learnt: bool
@@ -43,10 +50,23 @@ class Verdict:
     packet: bytes  # the frame as the program left it
 
     def as_json(self) -> dict[str, Any]:
+        """The ``classify --json`` object (without ``index``); ``packet`` is the
+        output frame as hex when the DSCP was rewritten, else None."""
         d = asdict(self)
         d["class"] = d.pop("class_")
         d["packet"] = self.packet.hex() if self.dscp_rewritten else None
         return d
+
+
+def _modality(value: int, reason: str) -> str | int | None:
+    """cb's modality as ``classify`` reports it: like ``mmmesh wire decode``, the
+    name of a known modality and the number of an unknown one."""
+    if value == _abi.NO_MODALITY and reason not in _MODALITY_IS_REAL:
+        return None
+    try:
+        return _abi.Modality(value).name.lower()
+    except ValueError:
+        return value
 
 
 class Classifier:
@@ -64,19 +84,22 @@ class Classifier:
         self._names = {c.id: c.name for c in policy.classes}
 
     def close(self) -> None:
+        """Close the maps and the programs (nothing was attached or pinned)."""
         self.maps.close()
         self._obj.close()
 
-    def __enter__(self) -> Classifier:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def prog_fd(self, direction: str = "egress") -> int:
+        """The fd of ``mm_egress`` or ``mm_ingress``."""
         return self._obj.prog_fds["mm_egress" if direction == "egress" else "mm_ingress"]
 
     def run(self, frame: bytes, direction: str = "egress", repeat: int = 1) -> Verdict:
+        """Run one Ethernet frame through the program; TCP frames share the flow table."""
         if len(frame) < 14:
             raise DataplaneError(
                 errno.EINVAL,
@@ -86,12 +109,7 @@ class Classifier:
         cb = res.ctx.cb
         reason = _abi.Reason(cb[_abi.CB_REASON]).name.lower()
         cid = int(cb[_abi.CB_CLASS])
-        mod = int(cb[_abi.CB_MODALITY])
         flags = int(cb[_abi.CB_FLAGS])
-        try:
-            modality = None if mod == _abi.NO_MODALITY else _abi.Modality(mod).name.lower()
-        except ValueError:
-            modality = f"unknown-{mod}"
         prio = int(res.ctx.priority)
         return Verdict(
             verdict=TC_ACT_NAMES.get(res.retval, str(res.retval)),
@@ -100,7 +118,7 @@ class Classifier:
             classid=f"{prio >> 16:x}:{prio & 0xFFFF:x}" if prio else None,
             class_id=cid,
             class_=self._names.get(cid),
-            modality=modality,
+            modality=_modality(int(cb[_abi.CB_MODALITY]), reason),
             reason=reason,
             clamped=bool(flags & _abi.CBF_CLAMPED),
             flow_learnt=bool(flags & _abi.CBF_FLOW_LEARNT),
