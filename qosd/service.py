@@ -1,16 +1,17 @@
 """QosdService: the node daemon's core, behind the admin API and metrics.
 
 It owns the policy store and the reconciler.  Applying a policy is
-validate -> realisable on this node? -> reconcile the kernel -> commit to
-the store.  The store only moves when the kernel took the policy, so the
-current version in the store is always the version in the kernel (after a
-failure both stay at the last good one)."""
+validate -> realisable on this node? -> the store prepares a version (its
+number is taken, it is not current) -> reconcile the kernel -> the store
+activates it.  The store only moves when the kernel took the policy, so the
+current version in the store is the version in the kernel (after a failure
+both stay at the last good one; the prepared version is abandoned)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
-import ipaddress
 import logging
 import threading
 import time
@@ -18,25 +19,17 @@ from typing import Any
 
 from mmmesh import _abi
 from mmmesh._errors import MeshError
-from mmmesh.dataplane import loader
-from mmmesh.dataplane._maps import Maps
 from mmmesh.policy import Policy, parse_policy
+from mmmesh.slareport import SlaReport
 
 from .config import QosdConfig
-from .errors import ConflictError
+from .errors import StoreCorruptError
 from .model import FlowRow, PolicyVersion, ReconcileResult
 from .reconciler import Reconciler
 from .slaboard import SlaBoard
 from .store import PolicyStore
 
 log = logging.getLogger("qosd.service")
-
-
-def _addr(raw: Any) -> str:
-    b = bytes(raw)
-    if b[:12] == b"\0" * 10 + b"\xff\xff":
-        return str(ipaddress.IPv4Address(b[12:]))
-    return str(ipaddress.IPv6Address(b))
 
 
 class QosdService:
@@ -47,7 +40,7 @@ class QosdService:
         self.store = PolicyStore(cfg.state_dir, history_limit=cfg.history_limit)
         self.reconciler = Reconciler(cfg, on_result=self._observe, on_adoption=self._adoption)
         self._write_lock = threading.Lock()
-        self._flow_prev: dict[bytes, tuple[int, float]] = {}
+        self._flow_prev: dict[tuple[Any, ...], tuple[int, float]] = {}
         self._flow_lock = threading.Lock()
         self.sla_board = SlaBoard()
 
@@ -55,19 +48,42 @@ class QosdService:
     def start(self) -> ReconcileResult | None:
         """Adopts or loads the dataplane for the current version (or the
         initial policy when the store is empty).  If that fails (an uplink not
-        up yet at boot), every resync tries again."""
+        up yet at boot), every resync tries again.
+
+        A version still pending from before (qosd died during an apply: the
+        kernel may hold part of it) is undone first: the current version is
+        re-applied over it, or, with no current version, the dataplane it
+        was being applied to is taken down; then it is abandoned."""
         cur = self.store.current()
+        with self._write_lock:
+            pending = self.store.pending()
+            for pv in pending:
+                dev = pv.policy.link.device
+                if cur is None or cur.policy.link.device != dev:
+                    log.warning("version %d was being applied to %s when qosd stopped: "
+                                "removing it from the kernel", pv.version, dev)
+                    try:
+                        self.reconciler.dataplane(dev).down()
+                    except MeshError as e:
+                        log.warning("removing version %d from %s: %s", pv.version, dev, e)
+        res: ReconcileResult | None = None
         if cur is None and self.cfg.initial_policy is not None:
             from mmmesh.policy import load_policy
 
             pol = load_policy(self.cfg.initial_policy)
             self.reconciler.check_realizable(pol)
             _, res = self._apply_policy(pol, None, "qosd", "initial policy", "startup")
-            return res
-        if cur is None:
+        elif cur is None:
             log.info("no policy yet: waiting for one (mmmeshctl policy apply)")
-            return None
-        return self.reconciler.apply(cur, "startup")
+        else:
+            if pending:
+                log.warning("version(s) %s were being applied when qosd stopped: putting "
+                            "version %d back", ", ".join(str(p.version) for p in pending),
+                            cur.version)
+            res = self.reconciler.apply(cur, "startup")
+        for pv in pending:
+            self._abandon(pv)
+        return res
 
     def resync(self) -> ReconcileResult | None:
         if self.reconciler.last_good is None and (
@@ -77,10 +93,7 @@ class QosdService:
             except MeshError as e:
                 log.warning("start-up reconcile still failing: %s", e)
                 return None
-        res = self.reconciler.resync()
-        if res is not None and self.metrics is not None and res.repaired:
-            self.metrics.drift_repairs.inc(len(res.repaired))
-        return res
+        return self.reconciler.resync()
 
     def _observe(self, res: ReconcileResult) -> None:
         if self.metrics is not None:
@@ -107,33 +120,29 @@ class QosdService:
     def _apply_policy(self, pol: Policy, base_version: int | None, author: str | None,
                       note: str | None, trigger: str) -> tuple[PolicyVersion, ReconcileResult]:
         with self._write_lock:
-            if base_version is not None and base_version != self.store.version:
-                raise ConflictError(base_version, self.store.version)
-            # Reconcile first with the number the version will get; commit
-            # only if the kernel took it.
-            candidate = PolicyVersion(
-                version=self.store.version + 1, policy=pol, text=pol.to_yaml(),
-                sha256="", created_at=time.time(), author=author, note=note,
-            )
+            # The store hands out the number (ConflictError here changes nothing).
+            pv = self.store.prepare(pol, base_version=base_version, author=author, note=note)
             previous = self.reconciler.last_good
-            res = self.reconciler.apply(candidate, trigger)
             try:
-                pv = self.store.commit(pol, base_version=base_version, author=author, note=note)
+                res = self.reconciler.apply(pv, trigger)
+            except BaseException:
+                self._abandon(pv)
+                raise
+            try:
+                pv = self.store.activate(pv, base_version=base_version)
             except BaseException:
                 # The store did not take it: put the kernel back where the store
                 # is, so that the store's current version is the kernel's.
-                log.error("policy store refused the commit; restoring version %s in the kernel",
-                          previous.version if previous else "none")
-                if previous is not None:
-                    self.reconciler.apply(previous, "restore")
-                else:
-                    self.reconciler.last_good = None
+                log.error("policy store refused version %d; restoring version %s in the kernel",
+                          pv.version, previous.version if previous else "none")
+                self._abandon(pv)
+                self.reconciler.revert(previous)
                 raise
-            if pv.version != candidate.version:  # pragma: no cover - store raced
-                res = self.reconciler.apply(pv, trigger)
-            else:
-                self.reconciler.last_good = pv
             return pv, res
+
+    def _abandon(self, pv: PolicyVersion) -> None:
+        with contextlib.suppress(StoreCorruptError):
+            self.store.abandon(pv)
 
     def diff(self, text: str) -> str:
         new = parse_policy(text).to_yaml()
@@ -161,7 +170,7 @@ class QosdService:
         if cur is not None:
             dev = cur.policy.link.device
             try:
-                uplinks[dev] = loader.status(dev, self.cfg.netns, cur.policy)
+                uplinks[dev] = self.reconciler.dataplane(dev).status(cur.policy).as_dict()
             except MeshError as e:
                 uplinks[dev] = {"error": str(e)}
         last = self.reconciler.last_result
@@ -177,49 +186,41 @@ class QosdService:
         }
 
     def top_flows(self, n: int = 20) -> list[FlowRow]:
+        """The busiest flows, rates from the byte counts since the last call."""
         cur = self.store.current()
         if cur is None:
             return []
         names = {c.id: c.name for c in cur.policy.classes}
         try:
-            maps = Maps.open_pinned(loader.pin_dir(cur.policy.link.device, self.cfg.netns))
+            flows = self.reconciler.dataplane(cur.policy.link.device).flows()
         except MeshError:
             return []
-        now_wall = time.monotonic()
-        ktime_now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        now = time.monotonic()
         rows: list[FlowRow] = []
-        seen: dict[bytes, tuple[int, float]] = {}
-        try:
-            with self._flow_lock:
-                for k, v in maps.flows.items():
-                    kb = bytes(k)
-                    prev = self._flow_prev.get(kb)
-                    rate = 0.0
-                    if prev is not None and now_wall > prev[1]:
-                        rate = max(0.0, (int(v.bytes) - prev[0]) * 8 / (now_wall - prev[1]))
-                    seen[kb] = (int(v.bytes), now_wall)
-                    try:
-                        mod = _abi.Modality(int(v.modality)).name.lower()
-                    except ValueError:
-                        mod = str(int(v.modality))
-                    rows.append(FlowRow(
-                        src=_addr(k.saddr), dst=_addr(k.daddr),
-                        sport=int.from_bytes(int(k.sport).to_bytes(2, "little"), "big"),
-                        dport=int.from_bytes(int(k.dport).to_bytes(2, "little"), "big"),
-                        proto="tcp" if k.proto == 6 else str(int(k.proto)),
-                        class_name=names.get(int(v.class_id)), class_id=int(v.class_id),
-                        modality=mod, packets=int(v.packets), bytes=int(v.bytes),
-                        idle_s=max(0.0, (ktime_now - int(v.last_seen_ns)) / 1e9),
-                        rate_bps=rate,
-                    ))
-                self._flow_prev = seen
-        finally:
-            maps.close()
+        with self._flow_lock:
+            prev_all, seen = self._flow_prev, {}
+            for f in flows:
+                prev = prev_all.get(f.key)
+                rate = 0.0
+                if prev is not None and now > prev[1]:
+                    rate = max(0.0, (f.bytes - prev[0]) * 8 / (now - prev[1]))
+                seen[f.key] = (f.bytes, now)
+                try:
+                    mod = _abi.Modality(f.modality).name.lower()
+                except ValueError:
+                    mod = str(f.modality)
+                rows.append(FlowRow(
+                    src=f.src, dst=f.dst, sport=f.sport, dport=f.dport,
+                    proto="tcp" if f.proto == 6 else str(f.proto),
+                    class_name=names.get(f.class_id), class_id=f.class_id, modality=mod,
+                    packets=f.packets, bytes=f.bytes, idle_s=f.idle_s, rate_bps=rate,
+                ))
+            self._flow_prev = seen
         rows.sort(key=lambda r: (r.rate_bps, r.bytes), reverse=True)
         return rows[: max(0, n)]
 
     # -------------------------------------------------------------- SLA
-    def report_sla(self, report: dict[str, Any]) -> int:
+    def report_sla(self, report: SlaReport) -> int:
         return self.sla_board.report(report)
 
     def sla(self) -> dict[str, list[dict[str, Any]]]:

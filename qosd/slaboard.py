@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any
 
+from mmmesh.slareport import SlaReport
 from mmmesh.slasketch import check_sketch, merge
 
 __all__ = ["SlaBoard"]
@@ -52,15 +53,15 @@ class SlaBoard:
         self.evicted = 0  # rows dropped because the board was full
         self.bad_sketches = 0  # sketches refused (kept out of the merge)
 
-    def report(self, body: dict[str, Any], now: float | None = None) -> int:
-        """Takes one ``POST /v1/sla`` body (validated by the API, whose model
-        refuses bad sketches; checked again here, since decoding is where a
+    def report(self, body: SlaReport, now: float | None = None) -> int:
+        """Takes one validated ``POST /v1/sla`` body (the model refuses bad
+        sketches; they are checked again here, since decoding is where a
         hostile sketch would hurt); returns the number of entries taken."""
         now = time.time() if now is None else now
-        stage = body["stage"]
-        instance = body.get("instance") or ""
+        instance = body.instance or ""
+        reports = [r.model_dump() for r in body.reports]
         decoded = []
-        for r in body["reports"]:  # outside the lock: ~1 ms per sketch
+        for r in reports:  # outside the lock: ~1 ms per sketch
             sk = None
             if r.get("sketch_e2e"):
                 try:
@@ -69,18 +70,18 @@ class SlaBoard:
                     self.bad_sketches += 1
             decoded.append(sk)
         with self._lock:
-            for r, sk in zip(body["reports"], decoded, strict=True):
-                key = (stage, instance, r["sla_class"], r["modality"])
+            for r, sk in zip(reports, decoded, strict=True):
+                key = (body.stage, instance, r["sla_class"], r["modality"])
                 self._rows.pop(key, None)  # re-insert: dict order = age
-                self._rows[key] = {**r, "stage": stage, "instance": instance or None,
-                                   "node": body.get("node"), "received_at": now}
+                self._rows[key] = {**r, "stage": body.stage, "instance": instance or None,
+                                   "node": body.node, "received_at": now}
                 self._sketches[key] = sk
             while len(self._rows) > self.max_rows:
                 old = next(iter(self._rows))
                 del self._rows[old]
                 self._sketches.pop(old, None)
                 self.evicted += 1
-            return len(body["reports"])
+            return len(reports)
 
     def _live(self, now: float) -> list[dict[str, Any]]:
         """Rows younger than ``keep_s`` (older ones are forgotten), sorted,

@@ -10,12 +10,29 @@ Layout of ``state_dir`` (created with mode 0700 when missing)::
             0000000001.json          {"version", "created_at", "author", "note",
             0000000002.json           "sha256", "policy_yaml"}; sha256 is over policy_yaml
             0000000003.json.corrupt  a version file that failed its checks (kept)
+            0000000004.json.abandoned  prepared, never activated (kept, number taken)
+            0000000005.json.pending  prepared, not yet activated or abandoned
 
 Every write is atomic: a temp file in the same directory is written, flushed
 and fsync'ed, then ``os.replace``'d over its name, then the directory is
-fsync'ed.  A commit writes the version file first and ``current.json`` second,
-so a crash in between leaves the previous version current (the new file stays,
-unacknowledged, in the history).
+fsync'ed.
+
+A new version goes through two steps, and ``current.json`` is the commit
+point between them:
+
+1. :meth:`prepare` writes ``policies/N.json.pending``: the number N is taken
+   for good, the version is not current and not in the history.  (qosd then
+   puts it into the kernel.)
+2. :meth:`activate` writes ``current.json`` naming N, then renames the pending
+   file to ``N.json``.  A crash between the two is finished on the next load
+   (``current.json`` names N and only ``N.json.pending`` exists: it is renamed).
+
+A prepared version that is not activated is :meth:`abandon`'ed (renamed to
+``N.json.abandoned``), or, after a crash, listed by :meth:`pending` until its
+owner abandons it.  So a version that never became current can never become
+current later by accident: not on a reload, and not when ``current.json`` is
+damaged (the fall-back only considers ``N.json`` files, which were all named
+by a ``current.json`` once).  :meth:`commit` is both steps at once.
 
 Version numbers increase monotonically and are never reused: the next one is
 1 + the highest number ever seen on disk, corrupt files set aside and the
@@ -69,7 +86,8 @@ CURRENT = "current.json"
 POLICIES = "policies"
 LOCK = ".lock"
 _VERSION_RE = re.compile(r"(\d{10,})\.json")
-_ASIDE_RE = re.compile(r"(\d{10,})\.json(?:\.\d+)?\.corrupt")
+_ASIDE_RE = re.compile(r"(\d{10,})\.json(?:\.\d+)?\.(?:corrupt|abandoned)")
+_PENDING_RE = re.compile(r"(\d{10,})\.json\.pending")
 _TEMP_RE = re.compile(r"\..+\.tmp")
 _MAX_VERSION = 10**18  # a claim above this is garbage, not a version anybody was given
 
@@ -151,6 +169,7 @@ class PolicyStore:
         self.problems: list[str] = []
         self._lock = threading.RLock()
         self._versions: dict[int, PolicyVersion] = {}
+        self._pending: dict[int, PolicyVersion] = {}
         self._stats: dict[int, _Stat] = {}
         self._current: int = 0
         self._high: int = 0  # highest version number ever seen
@@ -200,79 +219,107 @@ class PolicyStore:
         author: str | None = None,
         note: str | None = None,
     ) -> PolicyVersion:
-        """Store ``policy`` as a new version and make it current.
+        """Store ``policy`` as a new version and make it current (prepare +
+        activate).
 
         With ``base_version`` given, the commit succeeds only while the current
         version is still ``base_version`` (ConflictError otherwise); None
         always wins.  Raises PolicyError if the canonical text does not parse
-        back, and StoreCorruptError when the disk write fails (if the version
-        file was written but current.json was not, the previous version stays
-        current and the new number is not reused).
+        back, and StoreCorruptError when the disk write fails (the previous
+        version stays current and the new number is not reused).
         """
+        pv = self.prepare(policy, base_version=base_version, author=author, note=note)
+        try:
+            return self.activate(pv, base_version=base_version)
+        except BaseException:
+            with contextlib.suppress(StoreCorruptError):
+                self.abandon(pv)
+            raise
+
+    def prepare(
+        self,
+        policy: Policy,
+        *,
+        base_version: int | None = None,
+        author: str | None = None,
+        note: str | None = None,
+    ) -> PolicyVersion:
+        """Write ``policy`` as version N = 1 + the highest number ever seen, not
+        current yet (``N.json.pending``).  N is taken for good.
+
+        ConflictError when ``base_version`` is given and not current; PolicyError
+        if the canonical text does not parse back; StoreCorruptError on I/O
+        errors (the number is taken only if the file was written)."""
         text = policy.to_yaml()
         stored = parse_policy(text, source="canonical policy")  # what a reload will see
         with self._lock, self._flock():
             self._load_locked()
-            return self._commit_locked(stored, text, base_version, author, note)
+            if base_version is not None and base_version != self._current:
+                raise ConflictError(base_version, self._current)
+            version = self._high + 1
+            pv = PolicyVersion(version=version, policy=stored, text=text, sha256=_sha256(text),
+                               created_at=time.time(), author=author, note=note)
+            path = self._pending_path(version)
+            record = {"version": pv.version, "created_at": pv.created_at, "author": pv.author,
+                      "note": pv.note, "sha256": pv.sha256, "policy_yaml": pv.text}
+            with self._io(path, "cannot write the policy version"):
+                _atomic_write(path, _to_json(record))
+            self._high = version  # the file is on disk: its number is taken
+            self._pending[version] = pv
+            return pv
 
-    def rollback(
-        self,
-        to_version: int,
-        *,
-        base_version: int | None = None,
-        author: str | None = None,
-    ) -> PolicyVersion:
-        """A new version with the policy of ``to_version``, noted "rollback to N".
+    def activate(self, pv: PolicyVersion, *, base_version: int | None = None) -> PolicyVersion:
+        """Make the prepared version ``pv`` current: ``current.json`` first (the
+        commit point), then ``N.json.pending`` becomes ``N.json``.
 
-        NotFoundError when ``to_version`` is not stored (any more); ConflictError
-        as in :meth:`commit`.
-        """
+        ConflictError when ``base_version`` is given and another version became
+        current meanwhile (``pv`` stays pending: abandon it); NotFoundError when
+        ``pv`` is not pending any more; StoreCorruptError on I/O errors (the
+        previous version stays current unless current.json was written)."""
         with self._lock, self._flock():
             self._load_locked()
-            old = self.get(to_version)
-            return self._commit_locked(
-                old.policy, old.text, base_version, author, f"rollback to {to_version}"
-            )
+            if base_version is not None and base_version != self._current:
+                raise ConflictError(base_version, self._current)
+            pending = self._pending.get(pv.version)
+            if pending is None or pending.sha256 != pv.sha256:
+                raise NotFoundError(f"policy version {pv.version} is not pending")
+            self._write_current(pending)
+            self._promote(pv.version)
+            self._prune_locked()
+            return self._versions[pv.version]
 
-    def _commit_locked(
-        self,
-        policy: Policy,
-        text: str,
-        base_version: int | None,
-        author: str | None,
-        note: str | None,
-    ) -> PolicyVersion:
-        if base_version is not None and base_version != self._current:
-            raise ConflictError(base_version, self._current)
-        version = self._high + 1
-        pv = PolicyVersion(
-            version=version,
-            policy=policy,
-            text=text,
-            sha256=_sha256(text),
-            created_at=time.time(),
-            author=author,
-            note=note,
-        )
-        path = self._policies / _version_name(version)
-        record = {
-            "version": pv.version,
-            "created_at": pv.created_at,
-            "author": pv.author,
-            "note": pv.note,
-            "sha256": pv.sha256,
-            "policy_yaml": pv.text,
-        }
-        with self._io(path, "cannot write the policy version"):
-            _atomic_write(path, _to_json(record))
-        # the file is on disk: its number is taken, whatever happens next
-        self._high = version
+    def abandon(self, pv: PolicyVersion) -> None:
+        """The prepared version ``pv`` will not be activated: set it aside as
+        ``N.json.abandoned`` (its number stays taken).  No-op if not pending."""
+        with self._lock, self._flock():
+            self._pending.pop(pv.version, None)
+            path = self._pending_path(pv.version)
+            target = path.with_name(_version_name(pv.version) + ".abandoned")
+            with self._io(path, "cannot abandon the pending version"):
+                if not path.exists():
+                    return
+                os.replace(path, target)
+                _fsync_dir(path.parent)
+
+    def pending(self) -> list[PolicyVersion]:
+        """Prepared versions neither activated nor abandoned (after a crash:
+        an apply that never finished), oldest first."""
+        with self._lock:
+            return [self._pending[v] for v in sorted(self._pending)]
+
+    def _pending_path(self, version: int) -> Path:
+        return self._policies / (_version_name(version) + ".pending")
+
+    def _promote(self, version: int) -> None:
+        """``N.json.pending`` -> ``N.json`` (current.json already names N)."""
+        pv = self._pending.pop(version)
+        src, dst = self._pending_path(version), self._policies / _version_name(version)
+        with self._io(dst, "cannot activate the policy version"):
+            os.replace(src, dst)
+            _fsync_dir(self._policies)
         self._versions[version] = pv
         with contextlib.suppress(OSError):
-            self._stats[version] = _Stat.of(path.stat())
-        self._write_current(pv)
-        self._prune_locked()
-        return pv
+            self._stats[version] = _Stat.of(dst.stat())
 
     # -- loading -----------------------------------------------------------
     def _load_locked(self) -> None:
@@ -282,9 +329,13 @@ class PolicyStore:
             self._remove_temp_files(self.state_dir)
             names = os.listdir(self._policies)
         present: set[int] = set()
+        self._pending = {}
         for name in sorted(names):
             if m := _ASIDE_RE.fullmatch(name):
                 self._saw(int(m[1]))
+            elif m := _PENDING_RE.fullmatch(name):
+                self._saw(int(m[1]))
+                self._load_pending(int(m[1]), self._policies / name)
             elif m := _VERSION_RE.fullmatch(name):
                 number = int(m[1])
                 self._saw(number)
@@ -296,6 +347,14 @@ class PolicyStore:
         self._saw_aside_current_claims()
         self._load_current()
         self._prune_locked()
+
+    def _load_pending(self, number: int, path: Path) -> None:
+        with self._io(path, "cannot read the pending policy version"):
+            raw = path.read_bytes()
+        try:
+            self._pending[number] = self._parse_version(number, raw)
+        except _Corrupt as e:
+            self._set_aside(path, str(e))
 
     def _load_version(self, number: int, path: Path) -> bool:
         """Loads (or keeps cached) one version file; False when it was set aside."""
@@ -389,6 +448,9 @@ class PolicyStore:
         if not _is_int(version) or version < 1:
             raise _Corrupt(f"version is not a positive integer: {version!r}")
         self._saw(version)
+        if version not in self._versions and version in self._pending:
+            if sha == self._pending[version].sha256:
+                self._promote(version)  # a crash between current.json and the rename
         if version not in self._versions:
             raise _Corrupt(f"names version {version}, which is missing or corrupt")
         if sha != self._versions[version].sha256:
@@ -441,6 +503,15 @@ class PolicyStore:
                 path.unlink(missing_ok=True)
             del self._versions[v]
             self._stats.pop(v, None)
+        # abandoned applies: the newest history_limit are kept (the highest
+        # number on disk always survives, so no number is ever handed out twice)
+        with self._io(self._policies, "cannot list the policy directory"):
+            abandoned = sorted(n for n in os.listdir(self._policies)
+                               if n.endswith(".json.abandoned"))
+        for name in abandoned[: max(0, len(abandoned) - self.history_limit)]:
+            with self._io(self._policies / name, "cannot delete the abandoned version"):
+                (self._policies / name).unlink(missing_ok=True)
+            doomed.append(0)
         if doomed:
             with self._io(self._policies, "cannot sync"):
                 _fsync_dir(self._policies)

@@ -161,33 +161,92 @@ def test_two_processes_distinct_versions(tmp_path: Path) -> None:
     assert temp_files(tmp_path) == []
 
 
-# -- rollback ------------------------------------------------------------------
-def test_rollback_is_a_new_version(tmp_path: Path) -> None:
+# -- prepare / activate / abandon ---------------------------------------------
+def test_prepared_version_is_neither_current_nor_history(tmp_path: Path) -> None:
+    store = PolicyStore(tmp_path)
+    first = store.commit(variant(10))
+    pv = store.prepare(variant(11), author="ops")
+    assert pv.version == 2 and store.version == 1 and store.current() == first
+    assert [v.version for v in store.history()] == [1]
+    assert [v.version for v in store.pending()] == [2]
+    # another process sees the intent, not a version
+    other = PolicyStore(tmp_path)
+    assert other.version == 1 and [v.version for v in other.pending()] == [2]
+    assert store.activate(pv) == store.current() and store.version == 2
+    assert store.pending() == [] and PolicyStore(tmp_path).version == 2
+    with pytest.raises(NotFoundError):
+        store.activate(pv)  # once only
+
+
+def test_abandoned_version_keeps_its_number_and_never_becomes_current(tmp_path: Path) -> None:
+    store = PolicyStore(tmp_path)
+    store.commit(variant(10))
+    pv = store.prepare(variant(11))
+    store.abandon(pv)
+    assert store.pending() == [] and store.version == 1
+    with pytest.raises(NotFoundError):
+        store.activate(pv)
+    assert store.commit(variant(12)).version == 3  # 2 is never handed out again
+    again = PolicyStore(tmp_path)
+    assert again.problems == [] and [v.version for v in again.history()] == [3, 1]
+    assert again.commit(variant(13)).version == 4
+
+
+def test_activate_checks_the_base_version_again(tmp_path: Path) -> None:
+    store = PolicyStore(tmp_path)
+    store.commit(variant(10))
+    pv = store.prepare(variant(11), base_version=1)
+    PolicyStore(tmp_path).commit(variant(12))  # another writer got in between
+    with pytest.raises(ConflictError):
+        store.activate(pv, base_version=1)
+    assert store.version == 3 and [v.version for v in store.pending()] == [2]
+
+
+def test_a_crash_between_current_and_the_rename_is_finished_on_load(tmp_path: Path) -> None:
+    store = PolicyStore(tmp_path)
+    store.commit(variant(10))
+    pv = store.prepare(variant(11))
+    # what activate() writes first: current.json names the pending version
+    (tmp_path / "current.json").write_text(json.dumps({"version": 2, "sha256": pv.sha256}))
+    again = PolicyStore(tmp_path)
+    assert again.problems == [] and again.version == 2 and again.pending() == []
+    assert version_files(tmp_path) == ["0000000001.json", "0000000002.json"]
+
+
+def test_damaged_current_never_falls_back_to_a_pending_version(tmp_path: Path) -> None:
+    """An apply that never returned (prepared, kernel touched, then a crash)
+    must not go live when current.json is damaged afterwards."""
     store = PolicyStore(tmp_path)
     store.commit(variant(10))
     store.commit(variant(11))
-    store.commit(variant(12))
-    rb = store.rollback(1, author="ops")
-    assert rb.version == 4
-    assert rb.policy == store.get(1).policy
-    assert rb.text == store.get(1).text and rb.sha256 == store.get(1).sha256
-    assert rb.note == "rollback to 1" and rb.author == "ops"
-    assert store.current() == rb
-    with pytest.raises(ConflictError):
-        store.rollback(2, base_version=3)
-    with pytest.raises(NotFoundError):
-        store.rollback(99)
-    assert store.version == 4
+    store.prepare(variant(12))
+    (tmp_path / "current.json").write_text("{ damaged")
+    again = PolicyStore(tmp_path)
+    assert again.version == 2 and again.problems
+    assert [v.version for v in again.pending()] == [3]
+    assert again.commit(variant(13)).version == 4
+
+
+def test_many_abandoned_versions_are_pruned(tmp_path: Path) -> None:
+    store = PolicyStore(tmp_path, history_limit=3)
+    store.commit(variant(10))
+    for n in range(11, 21):
+        store.abandon(store.prepare(variant(n)))
+    store.commit(variant(30))
+    names = os.listdir(tmp_path / "policies")
+    assert sum(n.endswith(".abandoned") for n in names) == 3
+    assert PolicyStore(tmp_path, history_limit=3).commit(variant(31)).version == 13
 
 
 # -- persistence --------------------------------------------------------------
 def test_reopen_keeps_everything(tmp_path: Path) -> None:
     store = PolicyStore(tmp_path)
     committed = [store.commit(variant(n), author="a", note=f"n{n}") for n in (10, 11, 12)]
-    store.rollback(2)
+    store.commit(store.get(2).policy, note="rollback to 2")
     again = PolicyStore(tmp_path)
     assert again.problems == []
-    assert again.version == 4
+    assert again.version == 4 and again.current() is not None
+    assert again.current().note == "rollback to 2"
     assert again.history()[1:] == committed[::-1]
     assert again.current() == store.current()
     assert again.commit(variant(13)).version == 5
@@ -229,7 +288,7 @@ def test_no_temp_files_left(tmp_path: Path) -> None:
     store = PolicyStore(tmp_path)
     for n in range(10, 15):
         store.commit(variant(n))
-    store.rollback(1)
+    store.abandon(store.prepare(variant(20)))
     assert temp_files(tmp_path) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "current.json", "policies"]
 
