@@ -38,7 +38,6 @@ when a target is missed.  Results go to out/bench/classifier.json.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import platform
 import statistics
@@ -51,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mmmesh._files import write_json  # noqa: E402
-from mmmesh.dataplane import _bpf  # noqa: E402
+from mmmesh.dataplane import testing  # noqa: E402
 from mmmesh.dataplane.classify import Classifier  # noqa: E402
 from mmmesh.policy import load_policy  # noqa: E402
 from mmmesh.wire import Header, encode_header  # noqa: E402
@@ -148,48 +147,6 @@ def build_frames(policy) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
 # --------------------------------------------------------------------------
 # Verifier statistics (struct bpf_prog_info, up to verified_insns)
 # --------------------------------------------------------------------------
-class _ProgInfoFull(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_uint32), ("id", ctypes.c_uint32), ("tag", ctypes.c_uint8 * 8),
-        ("jited_prog_len", ctypes.c_uint32), ("xlated_prog_len", ctypes.c_uint32),
-        ("jited_prog_insns", ctypes.c_uint64), ("xlated_prog_insns", ctypes.c_uint64),
-        ("load_time", ctypes.c_uint64), ("created_by_uid", ctypes.c_uint32),
-        ("nr_map_ids", ctypes.c_uint32), ("map_ids", ctypes.c_uint64),
-        ("name", ctypes.c_char * 16), ("ifindex", ctypes.c_uint32),
-        ("gpl_compatible", ctypes.c_uint32), ("netns_dev", ctypes.c_uint64),
-        ("netns_ino", ctypes.c_uint64), ("nr_jited_ksyms", ctypes.c_uint32),
-        ("nr_jited_func_lens", ctypes.c_uint32), ("jited_ksyms", ctypes.c_uint64),
-        ("jited_func_lens", ctypes.c_uint64), ("btf_id", ctypes.c_uint32),
-        ("func_info_rec_size", ctypes.c_uint32), ("func_info", ctypes.c_uint64),
-        ("nr_func_info", ctypes.c_uint32), ("nr_line_info", ctypes.c_uint32),
-        ("line_info", ctypes.c_uint64), ("jited_line_info", ctypes.c_uint64),
-        ("nr_jited_line_info", ctypes.c_uint32), ("line_info_rec_size", ctypes.c_uint32),
-        ("jited_line_info_rec_size", ctypes.c_uint32), ("nr_prog_tags", ctypes.c_uint32),
-        ("prog_tags", ctypes.c_uint64), ("run_time_ns", ctypes.c_uint64),
-        ("run_cnt", ctypes.c_uint64), ("recursion_misses", ctypes.c_uint64),
-        ("verified_insns", ctypes.c_uint32), ("attach_btf_obj_id", ctypes.c_uint32),
-        ("attach_btf_id", ctypes.c_uint32),
-    ]
-
-
-def prog_stats(fd: int) -> dict[str, int | None]:
-    """Instruction counts of a loaded program; verified_insns needs Linux >= 5.16."""
-    info = _ProgInfoFull()
-    n = ctypes.c_uint32(ctypes.sizeof(info))
-    try:
-        rc = _bpf._lib().bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(n))
-    except Exception:  # noqa: BLE001 - optional statistics
-        return {"xlated_insns": None, "jited_bytes": None, "verified_insns": None}
-    if rc < 0:
-        return {"xlated_insns": None, "jited_bytes": None, "verified_insns": None}
-    full = n.value >= _ProgInfoFull.verified_insns.offset + 4
-    return {
-        "xlated_insns": info.xlated_prog_len // 8,
-        "jited_bytes": info.jited_prog_len,
-        "verified_insns": info.verified_insns if full and info.verified_insns else None,
-    }
-
-
 # --------------------------------------------------------------------------
 def load_empty() -> tuple[int, object]:
     import bcc  # noqa: PLC0415 - bench only: the product loads nothing like this
@@ -203,11 +160,11 @@ def time_all(progs: dict[str, tuple[int, bytes]], repeat: int, rounds: int) -> d
     """ns/pkt of every (prog fd, frame), ``rounds`` times, interleaved: a round
     times every kind once, so load changes on the machine hit all kinds alike."""
     for fd, frame in progs.values():  # warm up (caches, branch predictors, JIT pages)
-        _bpf.prog_test_run(fd, frame, repeat=max(1, repeat // 20))
+        testing.prog_test_run(fd, frame, repeat=max(1, repeat // 20))
     out: dict[str, list[int]] = {k: [] for k in progs}
     for _ in range(rounds):
         for k, (fd, frame) in progs.items():
-            out[k].append(_bpf.prog_test_run(fd, frame, repeat=repeat).duration_ns)
+            out[k].append(testing.prog_test_run(fd, frame, repeat=repeat).duration_ns)
     return out
 
 
@@ -270,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                 "target_ratio": target,
                 "pass": ratio <= target, "frame_len": len(frames[kind]),
             })
-        stats = {"mm_egress": prog_stats(eg), "mm_ingress": prog_stats(clf.prog_fd("ingress"))}
+        stats = {"mm_egress": testing.prog_stats(eg),
+                 "mm_ingress": testing.prog_stats(clf.prog_fd("ingress"))}
     finally:
         clf.close()
         empty_obj.cleanup()  # type: ignore[attr-defined]

@@ -124,31 +124,20 @@ def _iperf(ns: str, addr: str, seconds: int, streams: int) -> float:
     return float(data["end"]["sum_received"]["bits_per_second"])
 
 
-def _detach(ns: str, dev: str) -> None:
-    """The device as it was before ``up``, keeping the pinned programs and maps."""
-    from mmmesh.dataplane._netlink import Netlink
-
-    with Netlink(ns) as nl:
-        idx = nl.ifindex(dev)
-        for direction in ("egress", "ingress"):
-            nl.detach_bpf(idx, direction)
-        nl.remove_clsact_if_empty(idx)
-        nl.remove_htb(idx)
-
-
 def _cv(v: list[float]) -> float:
     return statistics.stdev(v) / statistics.mean(v) if len(v) > 1 else 0.0
 
 
 def iperf_compare(reps: int, seconds: int, progress: report.Progress,
                   with_htb: bool = False, streams: int = 1) -> dict[str, Any]:
-    from mmmesh.dataplane import loader
+    from mmmesh.dataplane import Dataplane
 
     modes = ["bare", "classifier"] + (["classifier+htb"] if with_htb else [])
     results: dict[str, list[float]] = {m: [] for m in modes}
     link = 10_000_000_000
     with Testbed(rate_bps=link, nodes=2, prefix=f"mmq{os.getpid()}-") as tb:
         ns, dev = tb.uplink
+        dp = Dataplane(dev, ns)
         policy = demo_policy(None, dev, link)
         server = subprocess.Popen(
             ["ip", "netns", "exec", tb.rx.ns, *_pin(_cpus()[0]), "iperf3", "-s",
@@ -159,14 +148,14 @@ def iperf_compare(reps: int, seconds: int, progress: report.Progress,
         try:
             _wait_port(tb.tx.ns, tb.rx.addr, IPERF_PORT)
             up = True
-            loader.up(policy, dev, ns)  # compile and pin once; later rounds adopt
+            dp.up(policy)  # compile and pin once; later rounds adopt
             for rep in range(reps):
                 order = modes[rep % len(modes):] + modes[:rep % len(modes)]
                 for mode in order:
                     if mode == "bare":
-                        _detach(ns, dev)  # programs stay pinned, nothing on the device
+                        dp.down(unpin=False)  # programs stay pinned, nothing on the device
                     else:
-                        loader.up(policy, dev, ns)  # adopts the pinned programs
+                        dp.up(policy)  # adopts the pinned programs
                         if mode == "classifier":
                             tb.unshape()  # clsact + programs stay, no HTB
                     bps = _iperf(tb.tx.ns, tb.rx.addr, seconds, streams)
@@ -180,7 +169,7 @@ def iperf_compare(reps: int, seconds: int, progress: report.Progress,
                 server.kill()
                 server.wait(5)
             if up:
-                loader.down(dev, ns)
+                dp.down()
     med = {m: statistics.median(v) for m, v in results.items()}
     # Rounds pair the modes back to back: the median of the per-round ratios
     # cancels the slow drift of the machine, the target uses it.

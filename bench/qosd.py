@@ -37,9 +37,8 @@ import httpx  # noqa: E402
 import yaml  # noqa: E402
 
 from mmmesh._files import write_json  # noqa: E402
-from mmmesh.dataplane import _netlink as nl  # noqa: E402
-from mmmesh.dataplane import loader  # noqa: E402
-from mmmesh.dataplane._maps import Maps  # noqa: E402
+from mmmesh.dataplane import Dataplane  # noqa: E402
+from mmmesh.demo import netlab as nl  # noqa: E402
 from mmmesh.policy import load_policy, parse_policy  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -55,11 +54,7 @@ def policy_text(voice_rate: str) -> str:
 
 
 def kernel_version(ns: str) -> int:
-    m = Maps.open_pinned(loader.pin_dir("a0", ns))
-    try:
-        return m.policy_version()
-    finally:
-        m.close()
+    return Dataplane("a0", ns).policy_version()
 
 
 def wait_version(ns: str, want: int, timeout: float = 10.0) -> None:
@@ -96,7 +91,7 @@ def main() -> int:
     nl.create_netns(peer)
     proc = None
     try:
-        with nl.Netlink(ns) as n:
+        with nl.Lab(ns) as n:
             n.add_veth("a0", "b0", peer)
             n.configure("a0", "10.79.0.1/24")
         sock = tmp / "qosd.sock"
@@ -171,7 +166,7 @@ def main() -> int:
             proc.send_signal(signal.SIGTERM)
             proc.wait(20)
         try:
-            loader.down("a0", ns)
+            Dataplane("a0", ns).down()
         except Exception:
             pass
         nl.remove_netns(ns)

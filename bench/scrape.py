@@ -2,7 +2,7 @@
 """How long one Prometheus scrape of qosd's metrics takes with a full flow table.
 
 Builds a veth pair between two fresh network namespaces, brings the dataplane
-up on one end (``loader.up``, the example policy at 500 mbit), and times
+up on one end (``Dataplane.up``, the example policy at 500 mbit), and times
 ``generate_latest(registry)`` for a registry made by ``qosd.metrics.make_registry``
 (the dataplane collector for that device plus qosd's own metrics): ``--reps``
 scrapes with an empty flow table, then ``--reps`` with ``--flows`` synthetic
@@ -11,9 +11,10 @@ opens the pinned maps, reads the per-CPU counters, counts the flow table and
 dumps the HTB classes over netlink (in the namespace, so that includes the
 pyroute2 netns socket set-up).
 
-Also shown, not a target: ways of counting the flow table alone
-(``bpf_map_lookup_batch`` as the collector does, a ``bpf_map_get_next_key``
-loop in ctypes, and ``Maps.flow_count()``), and the cost of opening a netlink
+Also shown, not a target: ways of reading the flow table alone
+(``Dataplane.stats()``, which counts it with ``bpf_map_lookup_batch`` as the
+collector does, and ``Dataplane.flows()``, which decodes every entry), and the
+cost of opening a netlink
 session in the testbed's namespace (pyroute2 forks a helper to get a socket
 there) against one in the host namespace, where a node's uplink usually is.
 The namespace session dominates the scrape here and is what makes its
@@ -27,10 +28,8 @@ missed.  Needs root.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -45,12 +44,11 @@ from prometheus_client import generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from mmmesh._files import write_json  # noqa: E402
-from mmmesh import _abi  # noqa: E402
-from mmmesh.dataplane import _netlink as nl  # noqa: E402
-from mmmesh.dataplane import loader  # noqa: E402
-from mmmesh.dataplane._maps import Maps  # noqa: E402
+from mmmesh.dataplane import Dataplane, link_exists  # noqa: E402
+from mmmesh.dataplane.testing import fill_flows  # noqa: E402
+from mmmesh.demo import netlab as nl  # noqa: E402
 from mmmesh.policy import load_policy, parse_policy  # noqa: E402
-from qosd.metrics import Target, _count_by_next_key, count_map_entries, make_registry  # noqa: E402
+from qosd.metrics import Target, make_registry  # noqa: E402
 
 TARGET_MS = 50.0
 
@@ -81,23 +79,6 @@ def summary(ms: list[float]) -> dict[str, float]:
             "min_ms": round(min(ms), 3), "max_ms": round(max(ms), 3)}
 
 
-def fill_flows(maps: Maps, n: int, class_ids: list[int]) -> None:
-    """``n`` synthetic TCP flows 10.200.x.y:port -> 10.77.0.2:7000+i."""
-    now = time.monotonic_ns()
-    for i in range(n):
-        k = _abi.FlowKey()
-        src = bytes([0] * 10 + [0xFF, 0xFF, 10, 200, (i >> 8) & 0xFF, i & 0xFF])
-        dst = bytes([0] * 10 + [0xFF, 0xFF]) + socket.inet_aton("10.77.0.2")
-        ctypes.memmove(k.saddr, src, 16)
-        ctypes.memmove(k.daddr, dst, 16)
-        k.sport = socket.htons(1024 + (i % 60000))
-        k.dport = socket.htons(7000 + i // 60000)
-        k.proto = socket.IPPROTO_TCP
-        v = _abi.FlowInfo(last_seen_ns=now, packets=i + 1, bytes=(i + 1) * 1400,
-                          class_id=class_ids[i % len(class_ids)], modality=4)
-        maps.flows.update(k, v)
-
-
 def sample_value(text: bytes, name: str) -> float | None:
     for fam in text_string_to_metric_families(text.decode()):
         for s in fam.samples:
@@ -112,15 +93,16 @@ def run(flows: int, reps: int) -> dict[str, Any]:
     nl.create_netns(ns_a)
     nl.create_netns(ns_b)
     try:
-        with nl.Netlink(ns_a) as n:
+        with nl.Lab(ns_a) as n:
             n.add_veth("a0", "b0", ns_b)
             n.loopback_up()
             n.configure("a0", "10.77.0.1/24")
-        with nl.Netlink(ns_b) as n:
+        with nl.Lab(ns_b) as n:
             n.loopback_up()
             n.configure("b0", "10.77.0.2/24")
         pol = bench_policy("a0")
-        loader.up(pol, netns=ns_a, version=1)
+        dp = Dataplane("a0", ns_a)
+        dp.up(pol, version=1)
         names = {c.id: c.name for c in pol.classes}
         registry, _ = make_registry(lambda: [Target("a0", ns_a, names)])
         scrape = lambda: generate_latest(registry)  # noqa: E731
@@ -131,32 +113,21 @@ def run(flows: int, reps: int) -> dict[str, Any]:
         text = scrape()
         assert sample_value(text, "mmmesh_dataplane_up") == 1.0, "dataplane not scraped"
 
-        maps = Maps.open_pinned(loader.pin_dir("a0", ns_a))
-        try:
-            t = time.perf_counter()
-            fill_flows(maps, flows, sorted(names))
-            fill_s = time.perf_counter() - t
-            text = scrape()
-            seen = sample_value(text, "mmmesh_flows")
-            if seen != flows:
-                raise SystemExit(f"flow table holds {seen} entries after writing {flows}")
-            full = timed(scrape, reps)
-            fm = maps.flows
-            ksz, vsz = ctypes.sizeof(fm.key_type), ctypes.sizeof(fm.value_type)
-            counting = {
-                "lookup_batch": summary(timed(lambda: count_map_entries(
-                    fm.fd, ksz, vsz, fm.max_entries,
-                    byte_offset=_abi.FlowInfo.class_id.offset), reps)),
-                "get_next_key_loop": summary(timed(
-                    lambda: _count_by_next_key(fm.fd, ksz, fm.max_entries), reps)),
-                "Maps.flow_count": summary(timed(maps.flow_count, max(3, reps // 4))),
-            }
-        finally:
-            maps.close()
+        t = time.perf_counter()
+        fill_flows(dp, flows, sorted(names))
+        fill_s = time.perf_counter() - t
+        text = scrape()
+        seen = sample_value(text, "mmmesh_flows")
+        if seen != flows:
+            raise SystemExit(f"flow table holds {seen} entries after writing {flows}")
+        full = timed(scrape, reps)
+        counting = {
+            "Dataplane.stats (lookup_batch)": summary(timed(dp.stats, reps)),
+            "Dataplane.flows (decoded)": summary(timed(dp.flows, max(3, reps // 4))),
+        }
 
         def nl_open(ns: str | None) -> None:
-            with nl.Netlink(ns) as n:
-                n.link_exists("lo")
+            link_exists("lo", ns)
 
         netlink = {"netns_session": summary(timed(lambda: nl_open(ns_a), reps)),
                    "host_session": summary(timed(lambda: nl_open(None), reps))}
@@ -169,7 +140,7 @@ def run(flows: int, reps: int) -> dict[str, Any]:
         }
     finally:
         try:
-            loader.down("a0", ns_a)
+            dp.down()
         except Exception as e:  # the namespaces go anyway
             print(f"warning: down: {e}", file=sys.stderr)
         nl.remove_netns(ns_a)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+from dataclasses import dataclass
 
 # Bump when a map layout, map set, or program section changes incompatibly.
 # A pinned dataplane with another ABI version is replaced, never adopted.
@@ -288,6 +289,38 @@ class Meta(ctypes.Structure):
     ]
 
 
+MM_SCRATCH_SIZE = 512  # a whole MMH header (<= MMH_HDR_MAX) fits; a power of two (mask)
+
+
+class TlvOut(ctypes.Structure):
+    """What the TLV walk found (part of scratch_map's value).
+
+    Verifier: TLV results live in map memory, not on the stack.  Values the
+    verifier reads back from a map are unknown scalars, so the states of
+    different TLV orders merge; constant flags on the stack would multiply
+    the explored states by every combination of TLV types seen."""
+
+    _fields_ = [
+        ("fps", ctypes.c_uint32),
+        ("bitrate", ctypes.c_uint32),
+        ("density", ctypes.c_uint32),
+        ("have", ctypes.c_uint32),
+        ("seen", ctypes.c_uint8 * 16),
+    ]
+
+
+class Scratch(ctypes.Structure):
+    """scratch_map value (PERCPU_ARRAY[1]): a copy of the header being read.
+    512 bytes so that an offset masked with MM_SCRATCH_SIZE - 1 is always
+    inside the buffer: the mask is how the verifier is shown that the TLV
+    walk never reads out of bounds."""
+
+    _fields_ = [
+        ("buf", ctypes.c_uint8 * MM_SCRATCH_SIZE),
+        ("out", TlvOut),
+    ]
+
+
 # Name -> (struct, C name) rendered into the header, in dependency order.
 STRUCTS: list[tuple[str, type[ctypes.Structure]]] = [
     ("mm_class_info", ClassInfo),
@@ -301,18 +334,53 @@ STRUCTS: list[tuple[str, type[ctypes.Structure]]] = [
     ("mm_class_counter", ClassCounter),
     ("mm_stats", Stats),
     ("mm_meta", Meta),
+    ("mm_tlv_out", TlvOut),
+    ("mm_scratch", Scratch),
 ]
 
-# Which map holds which key/value struct (checked against the compiled program).
-MAP_LAYOUTS: dict[str, tuple[type[ctypes._SimpleCData] | type[ctypes.Structure], type[ctypes.Structure]]] = {
-    "class_map": (ctypes.c_uint32, ClassInfo),
-    "config_map": (ctypes.c_uint32, Config),
-    "modality_map": (ctypes.c_uint32, ModalityInfo),
-    "src_map": (SrcKey, SrcInfo),
-    "flow_map": (FlowKey, FlowInfo),
-    "stats_map": (ctypes.c_uint32, Stats),
-    "meta_map": (ctypes.c_uint32, Meta),
-}
+# --------------------------------------------------------------------------
+# Maps and programs: the one list.  scripts/gen_abi.py renders the map
+# declarations (bpf/include/mm_maps.h) and the program prototypes from it;
+# the loader pins exactly these names and user space opens them by them.
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MapDef:
+    """One BPF map of the classifier."""
+
+    name: str  # the C name, the pin name under /sys/fs/bpf/mmmesh/<dev>/
+    kind: str  # "array" | "percpu_array" | "hash" | "lru_hash" | "lpm_trie"
+    key: type[ctypes.c_uint32] | type[ctypes.Structure]
+    value: type[ctypes.Structure]
+    max_entries: str  # a C expression (a constant or tunable name, or a number)
+    doc: str
+    no_prealloc: bool = False  # BPF_F_NO_PREALLOC (required for LPM tries)
+    user: bool = True  # user space opens it (False: kernel-only scratch space)
+
+
+MAPS: tuple[MapDef, ...] = (
+    MapDef("config_map", "array", ctypes.c_uint32, Config, "1",
+           "Policy: version, default class, flags (written by user space)."),
+    MapDef("class_map", "array", ctypes.c_uint32, ClassInfo, "MM_MAX_CLASSES",
+           "Policy: class id -> HTB class id, rank, DSCP."),
+    MapDef("modality_map", "array", ctypes.c_uint32, ModalityInfo, "MM_MAX_MODALITIES",
+           "Policy: modality byte -> metadata rules and fallback class."),
+    MapDef("src_map", "lpm_trie", SrcKey, SrcInfo, "MM_MAX_SRC_RULES",
+           "Policy: source prefix -> most privileged class it may claim.", no_prealloc=True),
+    MapDef("meta_map", "array", ctypes.c_uint32, Meta, "1",
+           "Identifies a pinned dataplane (ABI version, build id) for adoption."),
+    MapDef("flow_map", "lru_hash", FlowKey, FlowInfo, "MM_MAX_FLOWS",
+           "State: TCP flows learnt from the segment that starts a message."),
+    MapDef("stats_map", "percpu_array", ctypes.c_uint32, Stats, "MM_NR_DIRS",
+           "Counters: key = direction (MM_DIR_*), one copy per CPU."),
+    MapDef("scratch_map", "percpu_array", ctypes.c_uint32, Scratch, "1",
+           "Scratch space for a whole MMH header and the TLV walk's results.", user=False),
+)
+MAP_NAMES: tuple[str, ...] = tuple(m.name for m in MAPS)
+MAP_LAYOUTS: dict[str, tuple[type[ctypes.c_uint32] | type[ctypes.Structure],
+                             type[ctypes.Structure]]] = {m.name: (m.key, m.value) for m in MAPS}
+
+# direction -> program (a SCHED_CLS function in bpf/mm_tc.c, attached with clsact)
+PROGRAMS: dict[str, str] = {"egress": "mm_egress", "ingress": "mm_ingress"}
 
 
 def constants() -> dict[str, int]:
@@ -354,6 +422,7 @@ def constants() -> dict[str, int]:
         "MM_CBF_DSCP": CBF_DSCP,
         "MM_CFG_HAS_SRC_RULES": CFG_HAS_SRC_RULES,
         "MM_TLV_FIXED_UNSET": 0xFF,
+        "MM_SCRATCH_SIZE": MM_SCRATCH_SIZE,
     }
     for m in Modality:
         out[f"MM_MOD_{m.name}"] = int(m)

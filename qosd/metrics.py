@@ -27,25 +27,18 @@ class id when the id is not in it.  The HTB parent class ``1:40`` (the whole
 link) is not exported: the leaves sum to it, and ``sum by (iface)`` stays
 right.  Targets must have distinct ``iface`` names (a repeated one is skipped).
 
-The flow table (up to 64 Ki entries) is counted with ``bpf_map_lookup_batch``
-in chunks, a few syscalls for the whole table; the class of each entry is read
-out of the value buffer with one byte-stride slice, so no Python work is done
-per flow.  Kernels without batch lookups for the map fall back to a tight
-``bpf_map_get_next_key`` loop (count only).
+Everything is read through :class:`mmmesh.dataplane.Dataplane` (``stats()``:
+counters, policy version and a census of the flow table from one map open,
+counted with batched lookups; ``htb_classes()``).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import logging
-import os
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -60,14 +53,14 @@ from prometheus_client.registry import Collector
 
 from mmmesh import _abi
 from mmmesh._errors import DataplaneError
-from mmmesh.dataplane._netlink import HTB_PARENT, Netlink
-from mmmesh.dataplane.loader import pin_dir
+from mmmesh._net import parse_hostport
+from mmmesh.dataplane import Dataplane
 
 from .model import ReconcileResult
 
 log = logging.getLogger("qosd.metrics")
 
-NETNS_RUN_DIR = "/var/run/netns"
+HTB_LINK_CLASS = (_abi.HTB_MAJOR << 16) | _abi.MAX_CLASSES  # 1:40, the whole link
 
 
 @dataclass
@@ -129,7 +122,7 @@ QOSD_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "gauge", (), "Unix time the last successful reconcile finished"),
 }
 
-RECONCILE_TRIGGERS = ("apply", "rollback", "resync", "startup")
+RECONCILE_TRIGGERS = ("apply", "rollback", "resync", "startup", "restore")
 ADOPTION_RESULTS = ("adopted", "loaded", "replaced")
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -157,92 +150,6 @@ def _families() -> dict[str, Family]:
         else:
             fams[name] = GaugeMetricFamily(name, doc, labels=list(labels))
     return fams
-
-
-# --------------------------------------------------------------------------
-# Counting a BPF hash map without per-entry Python work
-# --------------------------------------------------------------------------
-ENOTSUPP = 524  # kernel-internal "operation not supported", leaks to user space
-
-
-@lru_cache(maxsize=1)
-def _libbpf() -> ctypes.CDLL:
-    name = ctypes.util.find_library("bpf") or "libbpf.so.1"
-    lib = ctypes.CDLL(name, use_errno=True)
-    vp = ctypes.c_void_p
-    lib.bpf_map_lookup_batch.argtypes = [ctypes.c_int, vp, vp, vp, vp,
-                                         ctypes.POINTER(ctypes.c_uint32), vp]
-    lib.bpf_map_lookup_batch.restype = ctypes.c_int
-    lib.bpf_map_get_next_key.argtypes = [ctypes.c_int, vp, vp]
-    lib.bpf_map_get_next_key.restype = ctypes.c_int
-    return lib
-
-
-def count_map_entries(fd: int, key_size: int, value_size: int, max_entries: int,
-                      byte_offset: int | None = None, chunk: int = 4096
-                      ) -> tuple[int, Counter[int] | None]:
-    """Entries in the (non per-CPU) hash map ``fd``, and, when ``byte_offset``
-    is given, how many entries have each value of the byte at that offset of
-    the value.  The second item is None when the kernel cannot batch-read the
-    map (the count then comes from a ``bpf_map_get_next_key`` loop).
-
-    Reads the map with ``bpf_map_lookup_batch``, ``chunk`` entries per syscall,
-    into two reused buffers; the per-entry byte is taken with one strided
-    slice and counted by ``collections.Counter`` (C code)."""
-    lib = _libbpf()
-    chunk = max(1, min(chunk, max_entries or chunk))
-    keys = ctypes.create_string_buffer(key_size * chunk)
-    values = ctypes.create_string_buffer(value_size * chunk)
-    # Hash maps use a u32 bucket index as the batch token; 8 bytes is plenty.
-    tok_a, tok_b = ctypes.create_string_buffer(8), ctypes.create_string_buffer(8)
-    in_tok: Any = None
-    total = 0
-    by_byte: Counter[int] = Counter()
-    count = ctypes.c_uint32()
-    while True:
-        count.value = chunk
-        rc = lib.bpf_map_lookup_batch(fd, in_tok, tok_b, keys, values, ctypes.byref(count), None)
-        err = ctypes.get_errno() if rc < 0 else 0
-        if rc < 0 and err == errno.ENOSPC:
-            # One hash bucket holds more entries than fit: grow, read it again.
-            if chunk >= max(max_entries, 1) * 2:
-                raise DataplaneError(err, "bpf_map_lookup_batch: bucket larger than the map")
-            chunk *= 2
-            keys = ctypes.create_string_buffer(key_size * chunk)
-            values = ctypes.create_string_buffer(value_size * chunk)
-            continue
-        if rc < 0 and err not in (errno.ENOENT,):
-            if total == 0 and err in (errno.EINVAL, errno.EOPNOTSUPP, ENOTSUPP, errno.ENOSYS):
-                return _count_by_next_key(fd, key_size, max_entries), None
-            raise DataplaneError(err, f"bpf_map_lookup_batch: {os.strerror(err)}")
-        n = count.value
-        total += n
-        if n and byte_offset is not None:
-            raw = ctypes.string_at(values, n * value_size)
-            by_byte.update(raw[byte_offset::value_size])
-        if rc < 0 or n == 0:  # ENOENT: that was the last batch
-            return total, by_byte if byte_offset is not None else None
-        in_tok = tok_a
-        ctypes.memmove(tok_a, tok_b, 8)
-
-
-def _count_by_next_key(fd: int, key_size: int, max_entries: int) -> int:
-    """Counts keys with bpf_map_get_next_key, two reused key buffers.  Capped at
-    ``max_entries`` (an LRU map restarts the walk when the previous key was
-    evicted meanwhile)."""
-    nxt = _libbpf().bpf_map_get_next_key
-    a, b = ctypes.create_string_buffer(key_size), ctypes.create_string_buffer(key_size)
-    n = 0
-    rc = nxt(fd, None, a)
-    limit = max_entries or (1 << 31)
-    while rc == 0 and n < limit:
-        n += 1
-        rc = nxt(fd, a, b)
-        a, b = b, a
-    if rc < 0 and ctypes.get_errno() != errno.ENOENT and n < limit:
-        err = ctypes.get_errno()
-        raise DataplaneError(err, f"bpf_map_get_next_key: {os.strerror(err)}")
-    return n
 
 
 # --------------------------------------------------------------------------
@@ -293,76 +200,49 @@ class DataplaneCollector(Collector):
         self._collect_htb(t, fams)
 
     def _collect_maps(self, t: Target, fams: dict[str, Family]) -> bool:
-        from mmmesh.dataplane._maps import Maps
-
-        directory = pin_dir(t.iface, t.netns)
+        dp = Dataplane(t.iface, t.netns)
         try:
-            maps = Maps.open_pinned(directory)
+            st = dp.stats()
         except (DataplaneError, OSError) as e:
             lvl = logging.DEBUG if getattr(e, "errno", None) == errno.ENOENT else logging.WARNING
-            log.log(lvl, "metrics: no dataplane at %s: %s", directory, e)
+            log.log(lvl, "metrics: no dataplane at %s: %s", dp.pin_dir, e)
             return False
-        # Read everything first, then emit: a failure half-way emits nothing.
-        samples: list[tuple[str, list[str], float]] = []
-        try:
-            names = t.class_names
-            stats = maps.read_stats()
-            for direction, ds in stats.items():
-                for reason, n in ds.reasons.items():
-                    samples.append(("mmmesh_classifier_packets_total",
-                                    [t.iface, direction, reason], float(n)))
-                for cid in sorted(set(ds.classes) | set(names)):
-                    pk, by = ds.classes.get(cid, (0, 0))
-                    label = [t.iface, direction, _class_label(names, cid)]
-                    samples.append(("mmmesh_classifier_class_packets_total", label, float(pk)))
-                    samples.append(("mmmesh_classifier_class_bytes_total", label, float(by)))
-            samples.append(("mmmesh_dataplane_policy_version", [t.iface],
-                            float(maps.policy_version())))
-            fm = maps.flows
-            by_class: Counter[int] | None = None
-            if fm.percpu:
-                n_flows = _count_by_next_key(fm.fd, ctypes.sizeof(fm.key_type), fm.max_entries)
-            else:
-                n_flows, by_class = count_map_entries(
-                    fm.fd, ctypes.sizeof(fm.key_type), ctypes.sizeof(fm.value_type),
-                    fm.max_entries, byte_offset=_abi.FlowInfo.class_id.offset)
-            samples.append(("mmmesh_flows", [t.iface], float(n_flows)))
-            samples.append(("mmmesh_flows_capacity", [t.iface], float(fm.max_entries)))
-            if by_class is not None:
-                for cid in sorted(set(by_class) | set(names)):
-                    samples.append(("mmmesh_class_flows", [t.iface, _class_label(names, cid)],
-                                    float(by_class.get(cid, 0))))
-        except Exception as e:
-            log.warning("metrics: reading the dataplane maps at %s failed: %s", directory, e)
-            return False
-        finally:
-            maps.close()
-        for name, labels, value in samples:
-            fams[name].add_metric(labels, value)
+        names = t.class_names
+        for direction, ds in st.counters.items():
+            for reason, n in ds.reasons.items():
+                fams["mmmesh_classifier_packets_total"].add_metric(
+                    [t.iface, direction, reason], float(n))
+            for cid in sorted(set(ds.classes) | set(names)):
+                pk, by = ds.classes.get(cid, (0, 0))
+                label = [t.iface, direction, _class_label(names, cid)]
+                fams["mmmesh_classifier_class_packets_total"].add_metric(label, float(pk))
+                fams["mmmesh_classifier_class_bytes_total"].add_metric(label, float(by))
+        fams["mmmesh_dataplane_policy_version"].add_metric([t.iface], float(st.policy_version))
+        fams["mmmesh_flows"].add_metric([t.iface], float(st.flows.count))
+        fams["mmmesh_flows_capacity"].add_metric([t.iface], float(st.flows.capacity))
+        if st.flows.by_class is not None:
+            for cid in sorted(set(st.flows.by_class) | set(names)):
+                fams["mmmesh_class_flows"].add_metric(
+                    [t.iface, _class_label(names, cid)], float(st.flows.by_class.get(cid, 0)))
         return True
 
     def _collect_htb(self, t: Target, fams: dict[str, Family]) -> None:
-        # pyroute2 creates a named netns that does not exist: never let a scrape do that.
-        if t.netns and not os.path.exists(os.path.join(NETNS_RUN_DIR, t.netns)):
-            log.debug("metrics: netns %s is gone: no HTB classes for %s", t.netns, t.iface)
-            return
         try:
-            with Netlink(t.netns) as nl:
-                classes = nl.htb_classes(nl.ifindex(t.iface))
+            classes = Dataplane(t.iface, t.netns).htb_classes()
         except Exception as e:
             log.debug("metrics: HTB classes of %s (netns %s): %s", t.iface, t.netns, e)
             return
         for classid, st in sorted(classes.items()):
-            if classid == HTB_PARENT or "bytes" not in st:
+            if classid == HTB_LINK_CLASS:
                 continue
             label = [t.iface, _class_label(t.class_names, classid & 0xFFFF)]
-            for name, key in (("mmmesh_htb_class_bytes_total", "bytes"),
-                              ("mmmesh_htb_class_packets_total", "packets"),
-                              ("mmmesh_htb_class_drops_total", "drops"),
-                              ("mmmesh_htb_class_overlimits_total", "overlimits"),
-                              ("mmmesh_htb_class_backlog_bytes", "backlog"),
-                              ("mmmesh_htb_class_queue_packets", "qlen")):
-                fams[name].add_metric(label, float(st.get(key, 0)))
+            for name, value in (("mmmesh_htb_class_bytes_total", st.bytes),
+                                ("mmmesh_htb_class_packets_total", st.packets),
+                                ("mmmesh_htb_class_drops_total", st.drops),
+                                ("mmmesh_htb_class_overlimits_total", st.overlimits),
+                                ("mmmesh_htb_class_backlog_bytes", st.backlog),
+                                ("mmmesh_htb_class_queue_packets", st.qlen)):
+                fams[name].add_metric(label, float(value))
 
 
 # --------------------------------------------------------------------------
@@ -461,30 +341,10 @@ class MetricsServer:
         self.shutdown()
 
 
-def parse_addr(addr: str) -> tuple[str, int]:
-    """'host:port', '[v6]:port', ':port' (all addresses) or 'port' -> (host, port)."""
-    addr = addr.strip()
-    if addr.startswith("["):
-        host, sep, port = addr[1:].partition("]:")
-        if not sep:
-            raise ValueError(f"metrics address {addr!r}: expected [host]:port")
-    elif ":" in addr:
-        host, _, port = addr.rpartition(":")
-    else:
-        host, port = "", addr
-    try:
-        p = int(port)
-    except ValueError:
-        raise ValueError(f"metrics address {addr!r}: port {port!r} is not a number") from None
-    if not 0 <= p <= 65535:
-        raise ValueError(f"metrics address {addr!r}: port out of range")
-    return host or "0.0.0.0", p
-
-
 def serve_metrics(registry: CollectorRegistry, addr: str) -> MetricsServer:
     """Serves ``registry`` over HTTP at ``addr`` (host:port; port 0 = any free
     one, see ``.port``) from a daemon thread."""
-    host, port = parse_addr(addr)
+    host, port = parse_hostport(addr, default_host="0.0.0.0", what="metrics address")
     server, thread = start_http_server(port, addr=host, registry=registry)
     return MetricsServer(server, thread)
 
@@ -498,6 +358,6 @@ def iter_samples(registry: CollectorRegistry) -> Iterator[tuple[str, dict[str, s
 
 __all__ = [
     "ADOPTION_RESULTS", "DATAPLANE_METRICS", "DataplaneCollector", "MetricsServer",
-    "QOSD_METRICS", "QosdMetrics", "RECONCILE_TRIGGERS", "Target", "count_map_entries",
-    "exported_names", "make_registry", "parse_addr", "serve_metrics",
+    "QOSD_METRICS", "QosdMetrics", "RECONCILE_TRIGGERS", "Target",
+    "exported_names", "make_registry", "serve_metrics",
 ]

@@ -1,25 +1,26 @@
 """Desired state (a policy version) -> kernel state (BPF maps, HTB tree).
 
-Idempotent: ``apply`` calls the loader's ``up``, which adopts pinned
-programs and rewrites maps and classes with replace verbs, so applying the
-same version twice changes nothing.  ``resync`` compares the kernel with the
-last good version and re-applies when it drifted (a class or filter deleted
-by hand, programs detached).  A failed apply puts the last good version
-back and is reported; the store only moves on success (see service.py)."""
+Idempotent: ``apply`` brings the dataplane up (``Dataplane.up`` adopts pinned
+programs and rewrites maps and classes with replace verbs), so applying the
+same version twice changes nothing.  ``resync`` asks the dataplane what
+drifted from the last good version (a class or filter deleted by hand,
+programs detached) and re-applies it.  A failed apply puts the last good
+version back and is reported.
+
+The reconciler is the one owner of ``last_good`` (the version the kernel
+holds): only ``apply`` and ``revert`` change it.  A ``ReconcileResult`` is
+complete (frozen) before anybody sees it, so ``on_result`` (the metrics)
+counts what really happened, repairs included."""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 
 from mmmesh._errors import DataplaneError, MeshError
-from mmmesh.dataplane import loader
-from mmmesh.dataplane._maps import Maps
-from mmmesh.dataplane import _bpf
-from mmmesh.dataplane._netlink import HTB_PARENT, HTB_ROOT, Netlink
+from mmmesh.dataplane import Dataplane, link_exists
 from mmmesh.policy import Policy
 
 from .config import QosdConfig
@@ -29,32 +30,26 @@ from .model import PolicyVersion, ReconcileResult
 log = logging.getLogger("qosd.reconciler")
 
 
-def _pinned_prog_ids(pins: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for d, name in loader.PROGRAMS.items():
-        try:
-            fd = _bpf.obj_get(os.path.join(pins, name))
-        except MeshError:
-            continue
-        try:
-            out[d] = int(_bpf.prog_info(fd).id)
-        finally:
-            os.close(fd)
-    return out
-
-
 class Reconciler:
     def __init__(self, cfg: QosdConfig,
                  on_result: Callable[[ReconcileResult], None] | None = None,
                  on_adoption: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self._lock = threading.RLock()
-        self.last_good: PolicyVersion | None = None
+        self._last_good: PolicyVersion | None = None
         self.last_result: ReconcileResult | None = None
         self.adopted: bool = False
         self._device: str | None = None  # device the last good version is on
         self._on_result = on_result
         self._on_adoption = on_adoption
+
+    @property
+    def last_good(self) -> PolicyVersion | None:
+        """The version the kernel holds (None before the first success)."""
+        return self._last_good
+
+    def dataplane(self, device: str) -> Dataplane:
+        return Dataplane(device, self.cfg.netns)
 
     # ------------------------------------------------------------ checks
     def check_realizable(self, policy: Policy) -> None:
@@ -66,10 +61,9 @@ class Reconciler:
                                           f"(uplinks: {', '.join(self.cfg.uplinks)})"))
         else:
             try:
-                with Netlink(self.cfg.netns) as nl:
-                    if not nl.link_exists(dev):
-                        where = f" in netns {self.cfg.netns}" if self.cfg.netns else ""
-                        errors.append(("link.device", f"no device {dev!r} on this node{where}"))
+                if not link_exists(dev, self.cfg.netns):
+                    where = f" in netns {self.cfg.netns}" if self.cfg.netns else ""
+                    errors.append(("link.device", f"no device {dev!r} on this node{where}"))
             except DataplaneError as e:
                 errors.append(("link.device", str(e)))
         total = sum(int(c.rate) for c in policy.classes)
@@ -80,7 +74,10 @@ class Reconciler:
             raise UnrealizableError(errors)
 
     # ------------------------------------------------------------ apply
-    def apply(self, pv: PolicyVersion, trigger: str) -> ReconcileResult:
+    def apply(self, pv: PolicyVersion, trigger: str,
+              repaired: tuple[str, ...] = ()) -> ReconcileResult:
+        """Puts ``pv`` into the kernel; on failure restores the last good
+        version and raises.  ``repaired``: the drift this apply repairs."""
         with self._lock:
             started = time.time()
             t0 = time.monotonic()
@@ -89,100 +86,70 @@ class Reconciler:
             except MeshError as e:
                 log.error("reconcile of version %d failed: %s", pv.version, e)
                 restored = self._restore_last_good()
-                res = ReconcileResult(
-                    ok=False, version=self.last_good.version if self.last_good else 0,
-                    started_at=started, duration_s=time.monotonic() - t0, trigger=trigger,
+                good = self._last_good
+                self._record(ReconcileResult(
+                    ok=False, version=good.version if good else 0, started_at=started,
+                    duration_s=time.monotonic() - t0, trigger=trigger, repaired=repaired,
                     error=f"{e}{'; last good version restored' if restored else ''}",
-                )
-                self._record(res)
+                ))
                 raise
-            self.last_good = pv
-            res = ReconcileResult(ok=True, version=pv.version, started_at=started,
-                                  duration_s=time.monotonic() - t0, trigger=trigger)
-            self._record(res)
-            return res
+            self._last_good = pv
+            return self._record(ReconcileResult(
+                ok=True, version=pv.version, started_at=started,
+                duration_s=time.monotonic() - t0, trigger=trigger, repaired=repaired))
+
+    def revert(self, previous: PolicyVersion | None) -> None:
+        """The version just applied was not kept (its store commit failed): the
+        kernel goes back to ``previous``.  With no previous version the
+        dataplane is left as it is but no longer counts as good."""
+        with self._lock:
+            if previous is None:
+                self._last_good = None
+                return
+            self.apply(previous, "restore")
 
     def _up(self, pv: PolicyVersion) -> None:
         dev = pv.policy.link.device
-        r = loader.up(pv.policy, dev, self.cfg.netns, version=pv.version)
-        if self._on_adoption is not None and self.last_good is None:
-            self._on_adoption("adopted" if r.adopted else "loaded")
-        if self.last_good is None:
+        r = self.dataplane(dev).up(pv.policy, version=pv.version)
+        if self._last_good is None:
             self.adopted = r.adopted
+            if self._on_adoption is not None:
+                self._on_adoption("adopted" if r.adopted else "loaded")
         if self._device and self._device != dev:
             log.info("policy moved from %s to %s: removing mmmesh from %s",
                      self._device, dev, self._device)
-            loader.down(self._device, self.cfg.netns)
+            self.dataplane(self._device).down()
         self._device = dev
 
     def _restore_last_good(self) -> bool:
-        if self.last_good is None:
+        if self._last_good is None:
             return False
         try:
-            self._up(self.last_good)
+            self._up(self._last_good)
             return True
         except MeshError as e:  # pragma: no cover - double failure
-            log.error("restoring version %d failed too: %s", self.last_good.version, e)
+            log.error("restoring version %d failed too: %s", self._last_good.version, e)
             return False
 
-    def _record(self, res: ReconcileResult) -> None:
+    def _record(self, res: ReconcileResult) -> ReconcileResult:
         self.last_result = res
         if self._on_result is not None:
             self._on_result(res)
+        return res
 
     # ----------------------------------------------------------- resync
     def drift(self) -> list[str]:
         """What differs between the kernel and the last good version."""
-        pv = self.last_good
+        pv = self._last_good
         if pv is None:
             return []
-        pol, dev, found = pv.policy, pv.policy.link.device, []
-        pins = loader.pin_dir(dev, self.cfg.netns)
-        if not os.path.isdir(pins):
-            return ["pinned programs and maps missing"]
-        with Netlink(self.cfg.netns) as nl:
-            if not nl.link_exists(dev):
-                return [f"device {dev} is gone"]
-            idx = nl.ifindex(dev)
-            filters = nl.bpf_filters(idx)
-            pinned = _pinned_prog_ids(pins)
-            for d in ("egress", "ingress"):
-                if d not in filters:
-                    found.append(f"{d} program detached")
-                elif pinned.get(d) and filters[d].get("prog_id") != pinned[d]:
-                    found.append(f"{d} hook runs program {filters[d].get('prog_id')}, "
-                                 f"not ours ({pinned[d]})")
-            if nl.root_qdisc(idx) != ("htb", HTB_ROOT):
-                found.append("HTB root qdisc missing or replaced")
-            elif nl.htb_default(idx) != pol.default.id:
-                found.append("HTB default class changed")
-            classes = nl.htb_classes(idx)
-            link = int(pol.link.rate)
-            for c in pol.classes:
-                h = classes.get(c.classid)
-                ceil = int(pol.ceil_of(c))
-                if h is None:
-                    found.append(f"HTB class {c.handle} ({c.name}) missing")
-                elif (h.get("prio") != c.priority or h.get("quantum") != c.quantum
-                      or h.get("rate_Bps") != int(c.rate) // 8
-                      or h.get("ceil_Bps") != ceil // 8):
-                    found.append(f"HTB class {c.handle} ({c.name}) changed")
-            parent = classes.get(HTB_PARENT)
-            if parent is None or parent.get("rate_Bps") != link // 8:
-                found.append("HTB link class missing or changed")
-        maps = Maps.open_pinned(pins)
-        try:
-            if maps.policy_version() != (pv.version & 0xFFFFFFFF):
-                found.append(f"policy maps hold version {maps.policy_version()}, "
-                             f"want {pv.version}")
-        finally:
-            maps.close()
-        return found
+        return self.dataplane(pv.policy.link.device).drift(pv.policy, pv.version)
 
     def resync(self) -> ReconcileResult | None:
         """Repairs drift; returns a result when it had to act."""
         with self._lock:
-            if self.last_good is None:
+            good = self._last_good
+            if good is None:
                 return None
             try:
                 found = self.drift()
@@ -190,20 +157,16 @@ class Reconciler:
                 found = [f"drift check failed: {e}"]
             if not found:
                 return None
-            log.warning("drift on %s: %s; repairing", self.last_good.policy.link.device,
-                        "; ".join(found))
+            log.warning("drift on %s: %s; repairing", good.policy.link.device, "; ".join(found))
             try:
-                res = self.apply(self.last_good, "resync")
+                return self.apply(good, "resync", repaired=tuple(found))
             except MeshError:
                 assert self.last_result is not None
-                self.last_result.repaired = found
                 return self.last_result
-            res.repaired = found
-            return res
 
     def cleanup(self, devices: list[str]) -> None:
         for dev in devices:
             try:
-                loader.down(dev, self.cfg.netns)
+                self.dataplane(dev).down()
             except MeshError as e:
                 log.warning("cleanup of %s: %s", dev, e)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate bpf/include/mm_abi.h from mmmesh/_abi.py."""
+"""Regenerate bpf/include/mm_abi.h and mm_maps.h from mmmesh/_abi.py."""
 import sys
 from pathlib import Path
 
@@ -7,4 +7,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mmmesh import _abigen  # noqa: E402
 
 _abigen.write()
-print(f"wrote {_abigen.HEADER_PATH}")
+print(f"wrote {_abigen.HEADER_PATH} and {_abigen.MAPS_HEADER_PATH}")

@@ -18,6 +18,29 @@ def test_header_is_generated_from_abi_module() -> None:
     )
 
 
+def test_map_header_is_generated_from_abi_module() -> None:
+    assert _abigen.MAPS_HEADER_PATH.read_text() == _abigen.render_maps(), (
+        "bpf/include/mm_maps.h is stale: run scripts/gen_abi.py"
+    )
+
+
+def test_maps_and_programs_are_declared_only_by_the_generated_header() -> None:
+    """One list: no BPF source declares a map or names a program that _abi does not."""
+    from mmmesh.dataplane._bcc import BPF_DIR
+
+    names = set(_abi.MAP_NAMES)
+    assert len(names) == len(_abi.MAPS)
+    for path in [*BPF_DIR.glob("*.c"), *BPF_DIR.glob("lib/*.h")]:
+        src = path.read_text()
+        assert not re.search(r"^\s*BPF_(F_)?(TABLE|ARRAY|HASH|PERCPU_ARRAY)\(", src, re.M), path
+    entry = (BPF_DIR / "mm_tc.c").read_text()
+    defined = set(re.findall(r"^int (\w+)\(struct __sk_buff \*\w+\)\s*$", entry, re.M))
+    assert defined == set(_abi.PROGRAMS.values())
+    maps_h = _abigen.MAPS_HEADER_PATH.read_text()
+    for m in _abi.MAPS:
+        assert f", {m.name}, {m.max_entries}" in maps_h, m.name
+
+
 def test_header_defines_every_constant() -> None:
     text = _abigen.HEADER_PATH.read_text()
     for name, value in _abi.constants().items():
@@ -57,6 +80,8 @@ def test_kernel_map_layouts_match_ctypes() -> None:
 
     obj = compile_and_load()
     try:
+        assert set(obj.map_fds) == set(_abi.MAP_NAMES)
+        assert set(obj.prog_fds) == set(_abi.PROGRAMS.values())
         for name, (ktype, vtype) in _abi.MAP_LAYOUTS.items():
             info = _bpf.map_info(obj.map_fds[name])
             assert info.key_size == ctypes.sizeof(ktype), name

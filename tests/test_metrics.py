@@ -36,7 +36,6 @@ from qosd.metrics import (
     Target,
     exported_names,
     make_registry,
-    parse_addr,
     serve_metrics,
 )
 from tests.conftest import require_privileged, veth_pair
@@ -109,14 +108,14 @@ time.sleep(300)
 def dataplane() -> Iterator[dict[str, Any]]:
     """Namespaces A and B joined by a0 <-> b0, the dataplane up on a0, traffic sent."""
     require_privileged()
-    from mmmesh.dataplane import loader
+    from mmmesh.dataplane import Dataplane
 
     listener: subprocess.Popen[str] | None = None
     sender: subprocess.Popen[str] | None = None
     with veth_pair(f"mmm{os.getpid()}", "10.77.0") as (a, b):
         try:
             pol = policy_for("a0")
-            loader.up(pol, netns=a, version=7)
+            Dataplane("a0", a).up(pol, version=7)
             listener = subprocess.Popen(["ip", "netns", "exec", b, sys.executable, "-c",
                                          LISTENER], stdout=subprocess.PIPE, text=True)
             assert listener.stdout is not None and listener.stdout.readline().strip() == "ready"
@@ -177,11 +176,12 @@ def test_scrape_shows_real_traffic(dataplane: dict[str, Any]) -> None:
 def test_flow_table_count_in_many_batches(dataplane: dict[str, Any]) -> None:
     """More entries than one batch holds: the count and the per-class split stay exact."""
     from mmmesh import _abi
-    from mmmesh.dataplane import loader
+    from mmmesh.dataplane import Dataplane
+    from mmmesh.dataplane._bpf import count_by_next_key, count_map_entries
     from mmmesh.dataplane._maps import Maps
-    from qosd.metrics import _count_by_next_key, count_map_entries
 
-    maps = Maps.open_pinned(loader.pin_dir("a0", dataplane["ns"]))
+    dp = Dataplane("a0", dataplane["ns"])
+    maps = Maps.open_pinned(dp.pin_dir)
     keys = []
     try:
         fm = maps.flows
@@ -199,8 +199,9 @@ def test_flow_table_count_in_many_batches(dataplane: dict[str, Any]) -> None:
             assert n == before + 300, chunk
             assert by is not None
             assert by[13] - by_before[13] == 200 and by[12] - by_before[12] == 100
-        assert _count_by_next_key(fm.fd, ksz, fm.max_entries) == before + 300
-        assert maps.flow_count() == before + 300
+        assert count_by_next_key(fm.fd, ksz, fm.max_entries) == before + 300
+        assert maps.flow_census().count == before + 300
+        assert len(dp.flows()) == before + 300
 
         registry, _ = make_registry([Target("a0", dataplane["ns"], dataplane["names"])])
         s = scrape(registry)
@@ -258,7 +259,7 @@ def test_qosd_metrics_observations() -> None:
     registry = CollectorRegistry()
     qm = QosdMetrics(registry)
     s = scrape(registry)
-    for trig in ("apply", "rollback", "resync", "startup"):  # present at 0 from the start
+    for trig in ("apply", "rollback", "resync", "startup", "restore"):  # at 0 from the start
         assert value(s, "mmmesh_reconciles_total", trigger=trig) == 0
     for res in ("adopted", "loaded", "replaced"):
         assert value(s, "mmmesh_adoptions_total", result=res) == 0
@@ -266,7 +267,7 @@ def test_qosd_metrics_observations() -> None:
     now = time.time()
     qm.adoption("adopted")
     qm.observe_reconcile(ReconcileResult(ok=True, version=3, started_at=now, duration_s=0.02,
-                                         trigger="startup", repaired=["htb 1:b", "filter"]))
+                                         trigger="startup", repaired=("htb 1:b", "filter")))
     qm.observe_reconcile(ReconcileResult(ok=True, version=4, started_at=now, duration_s=0.3,
                                          trigger="apply"))
     qm.observe_reconcile(ReconcileResult(ok=False, version=4, started_at=now + 1, duration_s=2.0,
@@ -301,16 +302,6 @@ def test_serve_metrics_on_loopback() -> None:
     assert "mmmesh_policy_version 9.0" in body
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=2)
-
-
-def test_parse_addr() -> None:
-    assert parse_addr("127.0.0.1:9464") == ("127.0.0.1", 9464)
-    assert parse_addr(":9464") == ("0.0.0.0", 9464)
-    assert parse_addr("9464") == ("0.0.0.0", 9464)
-    assert parse_addr("[::1]:9464") == ("::1", 9464)
-    for bad in ("host:port", "[::1]", "1.2.3.4:70000"):
-        with pytest.raises(ValueError):
-            parse_addr(bad)
 
 
 # --------------------------------------------------------------------------

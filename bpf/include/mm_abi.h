@@ -42,6 +42,7 @@
 #define MM_CBF_DSCP 4
 #define MM_CFG_HAS_SRC_RULES 1
 #define MM_TLV_FIXED_UNSET 0xff
+#define MM_SCRATCH_SIZE 0x200
 #define MM_MOD_UNSPEC 0
 #define MM_MOD_TEXT 1
 #define MM_MOD_IMAGE 2
@@ -218,5 +219,27 @@ _Static_assert(sizeof(struct mm_meta) == 16, "mm_meta size");
 _Static_assert(__builtin_offsetof(struct mm_meta, abi_version) == 0, "mm_meta.abi_version");
 _Static_assert(__builtin_offsetof(struct mm_meta, flags) == 4, "mm_meta.flags");
 _Static_assert(__builtin_offsetof(struct mm_meta, build_id) == 8, "mm_meta.build_id");
+
+struct mm_tlv_out {
+	__u32 fps;
+	__u32 bitrate;
+	__u32 density;
+	__u32 have;
+	__u8 seen[16];
+} __attribute__((aligned(4)));
+_Static_assert(sizeof(struct mm_tlv_out) == 32, "mm_tlv_out size");
+_Static_assert(__builtin_offsetof(struct mm_tlv_out, fps) == 0, "mm_tlv_out.fps");
+_Static_assert(__builtin_offsetof(struct mm_tlv_out, bitrate) == 4, "mm_tlv_out.bitrate");
+_Static_assert(__builtin_offsetof(struct mm_tlv_out, density) == 8, "mm_tlv_out.density");
+_Static_assert(__builtin_offsetof(struct mm_tlv_out, have) == 12, "mm_tlv_out.have");
+_Static_assert(__builtin_offsetof(struct mm_tlv_out, seen) == 16, "mm_tlv_out.seen");
+
+struct mm_scratch {
+	__u8 buf[512];
+	struct mm_tlv_out out;
+} __attribute__((aligned(4)));
+_Static_assert(sizeof(struct mm_scratch) == 544, "mm_scratch size");
+_Static_assert(__builtin_offsetof(struct mm_scratch, buf) == 0, "mm_scratch.buf");
+_Static_assert(__builtin_offsetof(struct mm_scratch, out) == 512, "mm_scratch.out");
 
 #endif /* MM_ABI_H */

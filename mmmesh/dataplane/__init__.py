@@ -1,3 +1,53 @@
-"""The BPF dataplane: loading, policy maps, HTB, status, and test runs.
+"""The BPF dataplane: the only way into the kernel.
 
-Heavy imports (bcc, pyroute2) happen in the submodules that need them."""
+The public face is small::
+
+    from mmmesh.dataplane import Dataplane
+
+    dp = Dataplane("eth0")                 # a device (and netns=...)
+    dp.up(policy, version=3)               # load or adopt, write maps, reconcile HTB
+    dp.status(policy)                      # DataplaneStatus: programs, classes, counters
+    dp.drift(policy, 3)                    # [] or what differs from what up() leaves
+    dp.stats()                             # DataplaneStats: counters + flow census (metrics)
+    dp.flows()                             # [Flow]: the TCP flow table, decoded
+    dp.htb_classes()                       # {classid: HtbClassStats}
+    dp.down()                              # detach, unpin, restore the device
+
+Results are typed values (``_types.py``), errors are ``DataplaneError``.
+Heavy imports (bcc, pyroute2) happen only in the calls that need them; bcc
+only ever in a short-lived child process (``_bcc.py``).  Private modules:
+``_pins`` (bpffs, adoption, staging), ``_maps`` (typed maps), ``_bpf`` (libbpf
+via ctypes), ``_netlink`` (pyroute2: clsact, filters, HTB), ``_compile``
+(policy -> map entries + HTB spec), ``_bcc`` (compile and load), and
+``classify`` (test runs of the real program, for the CLI and the tests).
+"""
+
+from ._handle import Dataplane, link_exists
+from ._pins import PIN_ROOT, ensure_bpffs
+from ._types import (
+    ClassStatus,
+    DataplaneStats,
+    DataplaneStatus,
+    DirectionCounters,
+    Flow,
+    FlowCensus,
+    HtbClassStats,
+    UpResult,
+    handle,
+)
+
+__all__ = [
+    "PIN_ROOT",
+    "ClassStatus",
+    "Dataplane",
+    "DataplaneStats",
+    "DataplaneStatus",
+    "DirectionCounters",
+    "Flow",
+    "FlowCensus",
+    "HtbClassStats",
+    "UpResult",
+    "ensure_bpffs",
+    "handle",
+    "link_exists",
+]

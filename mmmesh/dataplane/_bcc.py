@@ -13,23 +13,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._abi import TUNABLES
+from .._abi import MAP_NAMES, PROGRAMS, TUNABLES
 from .._errors import DataplaneError, NotSupportedError
 
 BPF_DIR = Path(__file__).resolve().parent.parent.parent / "bpf"
 MAIN_SOURCE = BPF_DIR / "mm_tc.c"
-PROGRAMS = ("mm_egress", "mm_ingress")
-MAPS = (
-    "config_map",
-    "class_map",
-    "modality_map",
-    "src_map",
-    "meta_map",
-    "flow_map",
-    "stats_map",
-    "scratch_map",
-)
-
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
@@ -120,13 +108,13 @@ def compile_and_load(
         raise DataplaneError(22, f"BPF compile failed: {e}") from e
     obj = LoadedObject()
     try:
-        for name in PROGRAMS:
+        for name in PROGRAMS.values():
             try:
                 fn = b.load_func(name.encode(), bcc.BPF.SCHED_CLS)
             except Exception as e:
                 raise DataplaneError(22, f"BPF verifier rejected {name}: {e}") from e
             obj.prog_fds[name] = os.dup(fn.fd)
-        for name in MAPS:
+        for name in MAP_NAMES:
             fd = bcc.libbcc.lib.bpf_table_fd(b.module, name.encode())
             if fd < 0:
                 raise DataplaneError(2, f"map {name} missing from the compiled object")

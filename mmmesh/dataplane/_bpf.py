@@ -1,6 +1,7 @@
 """Raw BPF syscalls through libbpf.so.1 (ctypes): map access, pinning,
-BPF_PROG_TEST_RUN and object info.  No bcc here: this module is what qosd and
-the CLI use to work with a dataplane that is already loaded and pinned.
+BPF_PROG_TEST_RUN, object info and batched map reads.  No bcc here: this is
+how a dataplane that is already loaded and pinned is read and written.  The
+one place libbpf is bound.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+from collections import Counter
 from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any, TypeVar
@@ -35,6 +37,7 @@ def _lib() -> ctypes.CDLL:
         "bpf_map_lookup_elem": [ctypes.c_int, vp, vp],
         "bpf_map_delete_elem": [ctypes.c_int, vp],
         "bpf_map_get_next_key": [ctypes.c_int, vp, vp],
+        "bpf_map_lookup_batch": [ctypes.c_int, vp, vp, vp, vp, u32p, vp],
         "bpf_obj_pin": [ctypes.c_int, ctypes.c_char_p],
         "bpf_obj_get": [ctypes.c_char_p],
         "bpf_obj_get_info_by_fd": [ctypes.c_int, vp, u32p],
@@ -319,3 +322,76 @@ def prog_test_run(prog_fd: int, packet: bytes, repeat: int = 1, ctx: SkBuff | No
     )
     _check(_lib().bpf_prog_test_run_opts(prog_fd, ctypes.byref(opts)), "BPF_PROG_TEST_RUN")
     return TestRunResult(opts.retval, opts.duration, ctx_out, data_out.raw[: opts.data_size_out])
+
+
+# --------------------------------------------------------------------------
+# Counting a hash map without per-entry Python work
+# --------------------------------------------------------------------------
+ENOTSUPP = 524  # kernel-internal "operation not supported", leaks to user space
+
+
+def count_map_entries(fd: int, key_size: int, value_size: int, max_entries: int,
+                      byte_offset: int | None = None, chunk: int = 4096
+                      ) -> tuple[int, Counter[int] | None]:
+    """Entries in the (non per-CPU) hash map ``fd``, and, when ``byte_offset``
+    is given, how many entries have each value of the byte at that offset of
+    the value.  The second item is None when the kernel cannot batch-read the
+    map (the count then comes from a ``bpf_map_get_next_key`` loop).
+
+    Reads the map with ``bpf_map_lookup_batch``, ``chunk`` entries per syscall,
+    into two reused buffers; the per-entry byte is taken with one strided
+    slice and counted by ``collections.Counter`` (C code)."""
+    lib = _lib()
+    chunk = max(1, min(chunk, max_entries or chunk))
+    keys = ctypes.create_string_buffer(key_size * chunk)
+    values = ctypes.create_string_buffer(value_size * chunk)
+    # Hash maps use a u32 bucket index as the batch token; 8 bytes is plenty.
+    tok_a, tok_b = ctypes.create_string_buffer(8), ctypes.create_string_buffer(8)
+    in_tok: Any = None
+    total = 0
+    by_byte: Counter[int] = Counter()
+    count = ctypes.c_uint32()
+    while True:
+        count.value = chunk
+        rc = lib.bpf_map_lookup_batch(fd, in_tok, tok_b, keys, values, ctypes.byref(count), None)
+        err = ctypes.get_errno() if rc < 0 else 0
+        if rc < 0 and err == errno.ENOSPC:
+            # One hash bucket holds more entries than fit: grow, read it again.
+            if chunk >= max(max_entries, 1) * 2:
+                raise DataplaneError(err, "bpf_map_lookup_batch: bucket larger than the map")
+            chunk *= 2
+            keys = ctypes.create_string_buffer(key_size * chunk)
+            values = ctypes.create_string_buffer(value_size * chunk)
+            continue
+        if rc < 0 and err != errno.ENOENT:
+            if total == 0 and err in (errno.EINVAL, errno.EOPNOTSUPP, ENOTSUPP, errno.ENOSYS):
+                return count_by_next_key(fd, key_size, max_entries), None
+            raise DataplaneError(err, f"bpf_map_lookup_batch: {os.strerror(err)}")
+        n = count.value
+        total += n
+        if n and byte_offset is not None:
+            raw = ctypes.string_at(values, n * value_size)
+            by_byte.update(raw[byte_offset::value_size])
+        if rc < 0 or n == 0:  # ENOENT: that was the last batch
+            return total, by_byte if byte_offset is not None else None
+        in_tok = tok_a
+        ctypes.memmove(tok_a, tok_b, 8)
+
+
+def count_by_next_key(fd: int, key_size: int, max_entries: int) -> int:
+    """Counts keys with bpf_map_get_next_key, two reused key buffers.  Capped at
+    ``max_entries`` (an LRU map restarts the walk when the previous key was
+    evicted meanwhile)."""
+    nxt = _lib().bpf_map_get_next_key
+    a, b = ctypes.create_string_buffer(key_size), ctypes.create_string_buffer(key_size)
+    n = 0
+    rc = nxt(fd, None, a)
+    limit = max_entries or (1 << 31)
+    while rc == 0 and n < limit:
+        n += 1
+        rc = nxt(fd, a, b)
+        a, b = b, a
+    if rc < 0 and ctypes.get_errno() != errno.ENOENT and n < limit:
+        err = ctypes.get_errno()
+        raise DataplaneError(err, f"bpf_map_get_next_key: {os.strerror(err)}")
+    return n

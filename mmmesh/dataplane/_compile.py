@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .. import _abi
 from ..policy import Policy
-from ._netlink import HtbClass, HtbSpec
+from ._types import HtbClass, HtbSpec
 
 
 @dataclass

@@ -4,58 +4,61 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _abi
-from ._bpf import Map
+from ._bpf import Map, count_by_next_key, count_map_entries, obj_get
 from ._compile import CompiledPolicy
+from ._types import DirectionCounters, FlowCensus
 
-U32 = ctypes.c_uint32
-
-
-@dataclass
-class DirectionStats:
-    reasons: dict[str, int] = field(default_factory=dict)
-    classes: dict[int, tuple[int, int]] = field(default_factory=dict)  # id -> (packets, bytes)
+USER_MAPS = tuple(m for m in _abi.MAPS if m.user)
 
 
 class Maps:
-    """The classifier's maps.  Takes ownership of the fds it is given."""
+    """The classifier's maps that user space reads and writes (``_abi.MAPS``
+    with ``user`` set).  Takes ownership of the fds it is given."""
 
     def __init__(self, fds: dict[str, int]) -> None:
-        self.config = Map(fds["config_map"], U32, _abi.Config, "config_map")
-        self.classes = Map(fds["class_map"], U32, _abi.ClassInfo, "class_map")
-        self.modalities = Map(fds["modality_map"], U32, _abi.ModalityInfo, "modality_map")
-        self.sources = Map(fds["src_map"], _abi.SrcKey, _abi.SrcInfo, "src_map")
-        self.flows = Map(fds["flow_map"], _abi.FlowKey, _abi.FlowInfo, "flow_map")
-        self.stats = Map(fds["stats_map"], U32, _abi.Stats, "stats_map")
-        self.meta = Map(fds["meta_map"], U32, _abi.Meta, "meta_map")
-        self._extra = [fd for n, fd in fds.items() if n == "scratch_map"]
+        self._maps: dict[str, Map] = {}
+        try:
+            for m in USER_MAPS:
+                self._maps[m.name] = Map(fds.pop(m.name), m.key, m.value, m.name)
+        except BaseException:
+            self.close()
+            for fd in fds.values():
+                os.close(fd)
+            raise
+        for fd in fds.values():  # kernel-only maps: not ours to keep open
+            os.close(fd)
+        self.config = self._maps["config_map"]
+        self.classes = self._maps["class_map"]
+        self.modalities = self._maps["modality_map"]
+        self.sources = self._maps["src_map"]
+        self.flows = self._maps["flow_map"]
+        self.stats = self._maps["stats_map"]
+        self.meta = self._maps["meta_map"]
 
     @classmethod
     def open_pinned(cls, pin_dir: str) -> Maps:
-        from ._bpf import obj_get
-
-        names = ["config_map", "class_map", "modality_map", "src_map", "flow_map",
-                 "stats_map", "meta_map"]
         fds: dict[str, int] = {}
         try:
-            for n in names:
-                fds[n] = obj_get(os.path.join(pin_dir, n))
-            return cls(fds)
+            for m in USER_MAPS:
+                fds[m.name] = obj_get(os.path.join(pin_dir, m.name))
         except BaseException:
             for fd in fds.values():
                 os.close(fd)
             raise
+        return cls(fds)
 
     def close(self) -> None:
-        for m in (self.config, self.classes, self.modalities, self.sources, self.flows,
-                  self.stats, self.meta):
+        for m in self._maps.values():
             m.close()
-        for fd in self._extra:
-            os.close(fd)
-        self._extra = []
+
+    def __enter__(self) -> Maps:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ----------------------------------------------------------- policy
     def write_policy(self, cp: CompiledPolicy) -> None:
@@ -105,20 +108,27 @@ class Maps:
         return int(m.build_id) if m is not None else 0
 
     # ------------------------------------------------------------ stats
-    def read_stats(self) -> dict[str, DirectionStats]:
-        out: dict[str, DirectionStats] = {}
+    def read_stats(self) -> dict[str, DirectionCounters]:
+        out: dict[str, DirectionCounters] = {}
         for d, name in ((_abi.DIR_EGRESS, "egress"), (_abi.DIR_INGRESS, "ingress")):
             percpu: Any = self.stats.lookup(d) or []
-            ds = DirectionStats()
-            for r in _abi.Reason:
-                ds.reasons[r.name.lower()] = sum(int(s.reason[r]) for s in percpu)
+            reasons = {r.name.lower(): sum(int(s.reason[r]) for s in percpu)
+                       for r in _abi.Reason}
+            classes: dict[int, tuple[int, int]] = {}
             for cid in range(_abi.MAX_CLASSES):
                 pk = sum(int(s.cls[cid].packets) for s in percpu)
                 by = sum(int(s.cls[cid].bytes) for s in percpu)
                 if pk or by:
-                    ds.classes[cid] = (pk, by)
-            out[name] = ds
+                    classes[cid] = (pk, by)
+            out[name] = DirectionCounters(reasons, classes)
         return out
 
-    def flow_count(self) -> int:
-        return sum(1 for _ in self.flows.keys())
+    def flow_census(self) -> FlowCensus:
+        """Entries in the flow table and how many per class (batched reads)."""
+        fm = self.flows
+        ksz, vsz = ctypes.sizeof(fm.key_type), ctypes.sizeof(fm.value_type)
+        if fm.percpu:
+            return FlowCensus(count_by_next_key(fm.fd, ksz, fm.max_entries), fm.max_entries, None)
+        n, by = count_map_entries(fm.fd, ksz, vsz, fm.max_entries,
+                                  byte_offset=_abi.FlowInfo.class_id.offset)
+        return FlowCensus(n, fm.max_entries, dict(by) if by is not None else None)

@@ -6,23 +6,23 @@ Kernel objects mmmesh owns on a device:
   * an HTB root ``1:`` with one parent class ``1:1`` at the link rate and one
     leaf class ``1:<id>`` per policy class, each with a short leaf queue.
 Every call is idempotent (replace verbs) so a reconciler can re-apply.
-Also the helpers the demo and tests use to build netns testbeds.
+Testbeds (namespaces, veth links, addresses, routes) are built elsewhere:
+``mmmesh/demo/netlab.py``.
 """
 
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+import os
 from typing import Any
 
-from pyroute2 import IPRoute, netns
+from pyroute2 import IPRoute
 from pyroute2 import config as pyroute2_config
 from pyroute2.netlink.exceptions import NetlinkError
 
 from .._abi import HTB_MAJOR, MAX_CLASSES
 from .._errors import DataplaneError
+from ._types import HtbClassStats, HtbSpec
 
 
 def _teach_pyroute2_bpf_ids() -> None:
@@ -53,6 +53,7 @@ _teach_pyroute2_bpf_ids()
 # it, the child resets SIGTERM/SIGINT to their defaults first.
 pyroute2_config.disable_mp_signal = True
 
+NETNS_RUN_DIR = "/var/run/netns"
 TC_H_CLSACT = 0xFFFFFFF1
 PARENT_INGRESS = 0xFFFFFFF2
 PARENT_EGRESS = 0xFFFFFFF3
@@ -67,30 +68,13 @@ DEFAULT_ROOT_KINDS = {None, "noqueue", "pfifo_fast", "mq", "fq_codel"}
 DEFAULT_MQ_CHILDREN = {"pfifo_fast", "fq_codel"}
 
 
-@dataclass(frozen=True)
-class HtbClass:
-    classid: int  # 0x1XXXX
-    rate_bps: int  # guaranteed, bit/s
-    ceil_bps: int  # bit/s
-    prio: int  # 0..7
-    quantum: int  # bytes
-
-
-@dataclass(frozen=True)
-class HtbSpec:
-    link_bps: int
-    default_minor: int
-    leaves: tuple[HtbClass, ...]
-    leaf_limit: int = 100  # packets: short queues keep latency bounded
-
-
 def _bit(bps: int) -> str:
     return f"{int(bps)}bit"
 
 
-def _same_rates(cur: dict[str, Any], rate_bps: int, ceil_bps: int) -> bool:
+def _same_rates(cur: HtbClassStats, rate_bps: int, ceil_bps: int) -> bool:
     """Kernel rates are bytes/s: compare what pyroute2 would send."""
-    return cur.get("rate_Bps") == int(rate_bps) // 8 and cur.get("ceil_Bps") == int(ceil_bps) // 8
+    return cur.rate_Bps == int(rate_bps) // 8 and cur.ceil_Bps == int(ceil_bps) // 8
 
 
 def _err(e: NetlinkError, what: str) -> DataplaneError:
@@ -102,6 +86,10 @@ class Netlink:
 
     def __init__(self, ns: str | None = None) -> None:
         self.ns = ns
+        # pyroute2 creates a named netns that does not exist: never let a
+        # read (a status, a metrics scrape) do that.
+        if ns and not os.path.exists(os.path.join(NETNS_RUN_DIR, ns)):
+            raise DataplaneError(errno.ENOENT, f"no netns {ns!r}")
         try:
             self.ipr = IPRoute(netns=ns) if ns else IPRoute()
         except (OSError, NetlinkError) as e:
@@ -201,14 +189,14 @@ class Netlink:
                 raise _err(e, "delete clsact") from e
 
     # ---------------------------------------------------------------- HTB
-    def htb_classes(self, idx: int) -> dict[int, dict[str, Any]]:
+    def htb_classes(self, idx: int) -> dict[int, HtbClassStats]:
         """Our HTB classes with their live statistics, by class id."""
-        out: dict[int, dict[str, Any]] = {}
+        out: dict[int, HtbClassStats] = {}
         for c in self.ipr.get_classes(index=idx):
             if c.get_attr("TCA_KIND") != "htb" or (c["handle"] >> 16) != HTB_MAJOR:
                 continue
+            st: dict[str, Any] = {"classid": int(c["handle"]), "parent": int(c["parent"])}
             basic = c.get_attr("TCA_STATS2")
-            st: dict[str, Any] = {"parent": int(c["parent"])}
             if basic is not None:
                 b = basic.get_attr("TCA_STATS_BASIC") or {}
                 q = basic.get_attr("TCA_STATS_QUEUE") or {}
@@ -228,7 +216,7 @@ class Netlink:
                     st["rate_Bps"] = int(r64)
                 if c64:
                     st["ceil_Bps"] = int(c64)
-            out[int(c["handle"])] = st
+            out[st["classid"]] = HtbClassStats(**st)
         return out
 
     def _leaf_qdisc(self, idx: int, classid: int, limit: int) -> None:
@@ -285,9 +273,9 @@ class Netlink:
             want = {c.classid for c in spec.leaves}
             for c in spec.leaves:
                 cur = have.get(c.classid)
-                if (cur is None or cur.get("parent") != HTB_PARENT
+                if (cur is None or cur.parent != HTB_PARENT
                         or not _same_rates(cur, c.rate_bps, c.ceil_bps)
-                        or cur.get("prio") != c.prio or cur.get("quantum") != c.quantum):
+                        or cur.prio != c.prio or cur.quantum != c.quantum):
                     self.ipr.tc(
                         "replace-class", "htb", idx, c.classid, parent=HTB_PARENT,
                         rate=_bit(c.rate_bps), ceil=_bit(c.ceil_bps), prio=c.prio,
@@ -296,7 +284,7 @@ class Netlink:
                 if c.classid not in leaves:
                     self._leaf_qdisc(idx, c.classid, spec.leaf_limit)
             for classid, st in have.items():
-                if classid not in want and classid != HTB_PARENT and st["parent"] == HTB_PARENT:
+                if classid not in want and classid != HTB_PARENT and st.parent == HTB_PARENT:
                     self.ipr.tc("del-class", index=idx, handle=classid, parent=HTB_PARENT)
         except NetlinkError as e:
             raise _err(e, "configure HTB") from e
@@ -317,15 +305,6 @@ class Netlink:
                 return int(init["defcls"]) if init is not None else None
         return None
 
-    def apply_fifo(self, idx: int, link_bps: int, limit: int = 1000) -> None:
-        """The 'mesh off' baseline: the same link rate, one class, one FIFO."""
-        self.apply_htb(
-            idx,
-            HtbSpec(link_bps, 0x10, (HtbClass(HTB_ROOT | 0x10, link_bps, link_bps, 0, 1514),),
-                    leaf_limit=limit),
-            force=True,
-        )
-
     def remove_htb(self, idx: int) -> None:
         kind, handle = self.root_qdisc(idx)
         if kind == "htb" and handle == HTB_ROOT:
@@ -334,80 +313,3 @@ class Netlink:
             except NetlinkError as e:
                 if e.code not in (errno.ENOENT, errno.EINVAL):
                     raise _err(e, "delete HTB") from e
-
-    # ------------------------------------------------------------ testbeds
-    def add_veth(self, name: str, peer: str, peer_ns: str | None = None) -> None:
-        peer_spec: dict[str, Any] = {"ifname": peer}
-        if peer_ns:
-            peer_spec["net_ns_fd"] = peer_ns
-        try:
-            self.ipr.link("add", ifname=name, kind="veth", peer=peer_spec)
-        except NetlinkError as e:
-            raise _err(e, f"add veth {name}") from e
-
-    def move_to_ns(self, ifname: str, ns: str) -> None:
-        self.ipr.link("set", index=self.ifindex(ifname), net_ns_fd=ns)
-
-    def configure(self, ifname: str, cidr: str | None = None, *, up: bool = True,
-                  mtu: int | None = None) -> int:
-        idx = self.ifindex(ifname)
-        if cidr:
-            addr, plen = cidr.split("/")
-            try:
-                self.ipr.addr("add", index=idx, address=addr, prefixlen=int(plen))
-            except NetlinkError as e:
-                if e.code != errno.EEXIST:
-                    raise _err(e, f"address {cidr} on {ifname}") from e
-        kw: dict[str, Any] = {}
-        if mtu:
-            kw["mtu"] = mtu
-        if up:
-            kw["state"] = "up"
-        if kw:
-            self.ipr.link("set", index=idx, **kw)
-        return idx
-
-    def loopback_up(self) -> None:
-        self.ipr.link("set", index=self.ifindex("lo"), state="up")
-
-    def add_route(self, dst: str, gateway: str) -> None:
-        try:
-            self.ipr.route("add", dst=dst, gateway=gateway)
-        except NetlinkError as e:
-            if e.code != errno.EEXIST:
-                raise _err(e, f"route {dst} via {gateway}") from e
-
-
-def create_netns(name: str) -> None:
-    try:
-        netns.create(name)
-    except OSError as e:
-        raise DataplaneError(e.errno or errno.EIO, f"create netns {name}: {e}") from e
-
-
-def remove_netns(name: str) -> None:
-    try:
-        netns.remove(name)
-    except OSError:
-        pass
-
-
-def list_netns() -> list[str]:
-    return list(netns.listnetns())
-
-
-@contextmanager
-def session(ns: str | None = None) -> Iterator[Netlink]:
-    nl = Netlink(ns)
-    try:
-        yield nl
-    finally:
-        nl.close()
-
-
-def enter_netns(name: str) -> None:
-    """Moves the calling process (call it in a fresh child) into netns ``name``."""
-    try:
-        netns.setns(name)
-    except OSError as e:
-        raise DataplaneError(e.errno or errno.EIO, f"enter netns {name}: {e}") from e

@@ -1,8 +1,8 @@
 """The demo scenario: the same traffic with the mesh off, then on, then unloaded.
 
     1. mesh off   the uplink shaped to the demo rate with one HTB class and one
-                  FIFO (``Netlink.apply_fifo``): what a node without mmmesh does
-    2. mesh on    ``loader.up`` with the example policy on the uplink (link rate
+                  FIFO (``netlab.Lab.apply_fifo``): what a node without mmmesh does
+    2. mesh on    ``Dataplane.up`` with the example policy on the uplink (link rate
                   = demo rate): the classifier puts each modality in its class
     3. unloaded   mesh on, voice alone: the baseline for voice latency
 
@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..dataplane import Dataplane, DataplaneStatus, HtbClassStats, handle
 from ..policy import Policy, Rate, load_policy, parse_policy
 from .testbed import UPLINK, Testbed
 from .traffic import TrafficSpec, run_traffic
@@ -65,17 +66,17 @@ def demo_policy(path: str | None, device: str, rate_bps: int) -> Policy:
 Progress = Callable[[str], None]
 
 
-def _class_snapshot(st: dict[str, Any]) -> dict[str, dict[str, int]]:
-    out = {}
-    for name, c in st.get("classes", {}).items():
-        h = c.get("htb", {})
-        out[name] = {
-            "classid": c["classid"],
-            "egress_packets": int(c["egress_packets"]),
-            "egress_bytes": int(c["egress_bytes"]),
-            "htb_packets": int(h.get("packets", 0)),
-            "htb_bytes": int(h.get("bytes", 0)),
-            "htb_drops": int(h.get("drops", 0)),
+def _class_snapshot(st: DataplaneStatus) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for c in st.classes:
+        h = c.htb
+        out[c.name] = {
+            "classid": handle(c.classid),
+            "egress_packets": c.egress_packets,
+            "egress_bytes": c.egress_bytes,
+            "htb_packets": h.packets if h else 0,
+            "htb_bytes": h.bytes if h else 0,
+            "htb_drops": h.drops if h else 0,
         }
     return out
 
@@ -89,14 +90,13 @@ def _delta(after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]
     return out
 
 
-def _htb_delta(after: dict[int, dict[str, Any]], before: dict[int, dict[str, Any]]
+def _htb_delta(after: dict[int, HtbClassStats], before: dict[int, HtbClassStats]
                ) -> dict[str, dict[str, int]]:
     out = {}
     for cid, a in after.items():
-        b = before.get(cid, {})
-        out[f"{cid >> 16:x}:{cid & 0xFFFF:x}"] = {
-            k: int(a.get(k, 0)) - int(b.get(k, 0)) for k in ("packets", "bytes", "drops")
-        }
+        b = before.get(cid)
+        out[handle(cid)] = {k: getattr(a, k) - (getattr(b, k) if b else 0)
+                            for k in ("packets", "bytes", "drops")}
     return out
 
 
@@ -153,7 +153,6 @@ def summarize(results: dict[str, Any], cfg: DemoConfig) -> dict[str, Any]:
 
 def run_demo(cfg: DemoConfig, progress: Progress = lambda _m: None) -> dict[str, Any]:
     """Builds the testbed, runs the phases, returns the results (JSON-able)."""
-    from ..dataplane import loader  # bcc and pyroute2 only when the demo runs
 
     if cfg.duration <= 0:
         raise ValueError("duration must be positive")
@@ -181,6 +180,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda _m: None) -> dict[str,
     policy = demo_policy(cfg.policy_path, UPLINK, cfg.rate_bps)
     with Testbed(rate_bps=cfg.rate_bps, nodes=cfg.nodes) as tb:
         ns, dev = tb.uplink
+        dp = Dataplane(dev, ns)
         results["config"]["policy"] = policy.model_dump(mode="json", by_alias=True)
         names = " -> ".join(n.ns for n in (tb.pod, tb.tx, tb.rx) if n is not None)
         progress(f"testbed up: {names}, uplink {dev} shaped to {Rate(cfg.rate_bps)}")
@@ -203,15 +203,15 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda _m: None) -> dict[str,
                      f"{len(policy.classes)} classes): same traffic")
             up_attempted = True
             t = time.monotonic()
-            up = loader.up(policy, dev, ns)
+            up = dp.up(policy)
             progress(f"dataplane up on {dev} in {time.monotonic() - t:.1f}s "
                      f"(programs {up.prog_ids})")
-            snap0 = _class_snapshot(loader.status(dev, ns, policy))
+            snap0 = _class_snapshot(dp.status(policy))
             res = keep_voice("on", run_traffic(tb, spec))
-            st = loader.status(dev, ns, policy)
+            st = dp.status(policy)
             res["classes"] = _delta(_class_snapshot(st), snap0)
-            res["reasons"] = st.get("reasons", {})
-            res["flows"] = st.get("flows", 0)
+            res["reasons"] = st.reasons
+            res["flows"] = st.flows
             results["phases"]["on"] = res
             progress(f"phase 2/{nphase} done: {_phase_line(res)}")
 
@@ -225,7 +225,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda _m: None) -> dict[str,
         finally:
             if up_attempted:
                 try:
-                    loader.down(dev, ns)
+                    dp.down()
                     progress("dataplane down")
                 except Exception as e:  # never mask the original error
                     progress(f"dataplane down failed: {e}")

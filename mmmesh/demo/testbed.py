@@ -15,7 +15,8 @@ forwards its pods' traffic::
 Namespace names start with a per-process prefix (``mmd<pid>-``); the testbed
 removes them, and stops every process it started in them, when the ``with``
 block ends: normally, on an exception, on Ctrl-C (SIGINT) and on SIGTERM.
-All netlink work goes through :mod:`mmmesh.dataplane._netlink`.
+Namespaces and links are built with :mod:`mmmesh.demo.netlab`; the
+dataplane is read through :class:`mmmesh.dataplane.Dataplane`.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from types import FrameType, TracebackType
 from typing import Any, Self
 
 from .._errors import DataplaneError
-from ..dataplane import _netlink
-from ..dataplane._netlink import Netlink
+from ..dataplane import Dataplane, HtbClassStats
+from . import netlab
+from .netlab import Lab
 
 UPLINK = "up0"
 RX_IF = "eth0"
@@ -70,7 +72,7 @@ def _child_main(ns: str | None, fn: Callable[..., Any], args: tuple[Any, ...],
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         if ns:
-            _netlink.enter_netns(ns)
+            netlab.enter_netns(ns)
         result = fn(Ctl(conn), *args, **kwargs)
         conn.send(("result", result))
     except BaseException:  # report everything to the parent, then exit
@@ -227,13 +229,13 @@ class NetnsLab:
         """Creates ``namespaces`` (refusing ones that exist) and writes each
         namespace's sysctls (``sysctls[ns]``, default: IPv6 off, which keeps
         router and neighbour solicitations out of the counters)."""
-        existing = set(_netlink.list_netns())
+        existing = set(netlab.list_netns())
         for ns in self.namespaces:
             if ns in existing:
                 raise DataplaneError(17, f"netns {ns} already exists (a testbed of this "
                                          "process is still up?)")
         for ns in self.namespaces:
-            _netlink.create_netns(ns)
+            netlab.create_netns(ns)
             self._created.append(ns)
         for ns in self.namespaces:
             self.run(ns, "sysctl", _write_sysctls, sysctls.get(ns, NO_IPV6), timeout=10.0)
@@ -248,7 +250,7 @@ class NetnsLab:
                 child.stop()
             self._children.clear()
             for ns in reversed(self._created):
-                _netlink.remove_netns(ns)
+                netlab.remove_netns(ns)
             self._created.clear()
         finally:
             self._restore_signal_handlers()
@@ -279,19 +281,18 @@ class NetnsLab:
     def shape_uplink_fifo(self, rate_bps: int, limit: int) -> None:
         """'Mesh off': the uplink shaped to ``rate_bps``, one class, one FIFO."""
         ns, dev = self.uplink
-        with Netlink(ns) as nl:
-            nl.apply_fifo(nl.ifindex(dev), rate_bps, limit)
+        with Lab(ns) as nl:
+            nl.apply_fifo(dev, rate_bps, limit)
 
     def unshape(self) -> None:
-        """Removes the HTB root from the uplink (if it is ours)."""
+        """Removes the uplink's root qdisc (the FIFO baseline)."""
         ns, dev = self.uplink
-        with Netlink(ns) as nl:
-            nl.remove_htb(nl.ifindex(dev))
+        with Lab(ns) as nl:
+            nl.remove_root_qdisc(dev)
 
-    def htb_classes(self) -> dict[int, dict[str, Any]]:
+    def htb_classes(self) -> dict[int, HtbClassStats]:
         ns, dev = self.uplink
-        with Netlink(ns) as nl:
-            return nl.htb_classes(nl.ifindex(dev))
+        return Dataplane(dev, ns).htb_classes()
 
 
 @dataclass
@@ -300,7 +301,7 @@ class Testbed(NetnsLab):
 
     ``rate_bps`` is the uplink rate the demo shapes ``tx``'s uplink to (the
     testbed itself leaves the device unshaped: see :meth:`shape_fifo` and
-    :func:`mmmesh.dataplane.loader.up`).
+    :meth:`mmmesh.dataplane.Dataplane.up`).
     """
 
     rate_bps: int = 300_000_000
@@ -344,20 +345,20 @@ class Testbed(NetnsLab):
             sysctls[self.tx.ns] = {**NO_IPV6, "net/ipv4/ip_forward": "1"}
         self._create_namespaces(sysctls)
 
-        with Netlink(self.tx.ns) as nl:
+        with Lab(self.tx.ns) as nl:
             nl.add_veth(UPLINK, RX_IF, self.rx.ns)
             nl.loopback_up()
             nl.configure(UPLINK, f"{self.tx.addr}/24")
             if self.pod is not None:
                 nl.add_veth(POD_GW_IF, POD_IF, self.pod.ns)
                 nl.configure(POD_GW_IF, f"{POD_NET}.1/24")
-        with Netlink(self.rx.ns) as nl:
+        with Lab(self.rx.ns) as nl:
             nl.loopback_up()
             nl.configure(RX_IF, f"{self.rx.addr}/24")
             if self.pod is not None:
                 nl.add_route(f"{POD_NET}.0/24", self.tx.addr)
         if self.pod is not None:
-            with Netlink(self.pod.ns) as nl:
+            with Lab(self.pod.ns) as nl:
                 nl.loopback_up()
                 nl.configure(POD_IF, f"{self.pod.addr}/24")
                 nl.add_route(f"{UPLINK_NET}.0/24", f"{POD_NET}.1")

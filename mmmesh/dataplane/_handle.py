@@ -1,0 +1,249 @@
+"""``Dataplane``: the one way into the kernel for one device.
+
+Everything outside ``mmmesh.dataplane`` (qosd, the demo, the benches) brings
+the classifier up or down, reads its state and checks it for drift through a
+``Dataplane`` handle; the modules behind it (``_pins``, ``_maps``, ``_bpf``,
+``_netlink``, ``_bcc``) are private.  A handle holds no kernel resources
+between calls: each call opens what it needs and closes it again, so handles
+are cheap and safe to share between threads.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import time
+
+from .. import _abi
+from .._errors import DataplaneError
+from ..policy import Policy
+from . import _bpf, _pins
+from ._compile import compile_policy
+from ._maps import Maps
+from ._types import (
+    ClassStatus,
+    DataplaneStats,
+    DataplaneStatus,
+    Flow,
+    HtbClassStats,
+    UpResult,
+    handle,
+)
+
+log = logging.getLogger("mmmesh.dataplane")
+
+_DIRECTIONS = {_abi.DIR_EGRESS: "egress", _abi.DIR_INGRESS: "ingress"}
+
+
+def _addr(raw: bytes) -> str:
+    """A 16-byte map address as text (IPv4-mapped addresses as IPv4)."""
+    if raw[:12] == b"\0" * 10 + b"\xff\xff":
+        return str(ipaddress.IPv4Address(raw[12:]))
+    return str(ipaddress.IPv6Address(raw))
+
+
+def _be16(v: int) -> int:
+    """A ``be`` u16 map field read as a host-order (little-endian) integer."""
+    return int.from_bytes(int(v).to_bytes(2, "little"), "big")
+
+
+def link_exists(iface: str, netns: str | None = None) -> bool:
+    """Whether ``iface`` exists (in ``netns``; DataplaneError if that netns does not)."""
+    from ._netlink import Netlink
+
+    with Netlink(netns) as nl:
+        return nl.link_exists(iface)
+
+
+class Dataplane:
+    """The classifier on one device (``iface``, in network namespace ``netns``)."""
+
+    def __init__(self, iface: str, netns: str | None = None) -> None:
+        self.iface = iface
+        self.netns = netns
+        self.pin_dir = _pins.pin_dir(iface, netns)
+
+    def __repr__(self) -> str:
+        return f"Dataplane({self.iface!r}, netns={self.netns!r})"
+
+    # ------------------------------------------------------------- write
+    def up(self, policy: Policy, *, version: int = 0, force: bool = False,
+           tunables: dict[str, int] | None = None, ingress: bool = True) -> UpResult:
+        """Loads (or adopts) the classifier on the device and applies ``policy``.
+
+        Idempotent: run it again with a new policy and it rewrites the maps and
+        reconciles the HTB tree in place.  A pinned dataplane of the same ABI
+        version and build is adopted (programs keep their ids, the flow table
+        its entries); anything else pinned there is replaced.  ``force``
+        replaces a root qdisc that mmmesh did not create."""
+        from ._bcc import build_id  # source hashing only; bcc is not imported
+        from ._netlink import Netlink
+
+        compiled = compile_policy(policy, version)
+        _pins.ensure_bpffs()
+        with Netlink(self.netns) as nl:
+            idx = nl.ifindex(self.iface)
+            build = build_id(tunables)
+            state = _pins.pinned_state(self.pin_dir, build)
+            if state != "adopt":
+                if state == "replace":
+                    log.warning("replacing the pinned dataplane at %s (other ABI or build, or "
+                                "incomplete)", self.pin_dir)
+                _pins.load_and_pin(self.pin_dir, tunables, build)
+            with Maps.open_pinned(self.pin_dir) as maps:
+                maps.write_policy(compiled)
+            assert compiled.htb is not None
+            nl.apply_htb(idx, compiled.htb, force=force)
+            nl.ensure_clsact(idx)
+            attached = nl.bpf_filters(idx)
+            prog_ids: dict[str, int] = {}
+            for direction, prog in _abi.PROGRAMS.items():
+                if direction == "ingress" and not ingress:
+                    nl.detach_bpf(idx, direction)
+                    continue
+                fd = _bpf.obj_get(os.path.join(self.pin_dir, prog))
+                try:
+                    pid = int(_bpf.prog_info(fd).id)
+                    if attached.get(direction, {}).get("prog_id") != pid:
+                        nl.attach_bpf(idx, direction, fd, prog)
+                    prog_ids[direction] = pid
+                finally:
+                    os.close(fd)
+        return UpResult(self.iface, self.netns, state == "adopt", prog_ids, version)
+
+    def down(self, *, unpin: bool = True) -> None:
+        """Detaches and unpins everything ``up`` installed; the device is left
+        as it was before (our HTB root removed, clsact removed when empty).
+        ``unpin=False`` keeps the programs and maps pinned (the next ``up``
+        adopts them)."""
+        from ._netlink import Netlink
+
+        with Netlink(self.netns) as nl:
+            if nl.link_exists(self.iface):
+                idx = nl.ifindex(self.iface)
+                for direction in _abi.PROGRAMS:
+                    nl.detach_bpf(idx, direction)
+                nl.remove_clsact_if_empty(idx)
+                nl.remove_htb(idx)
+        if unpin:
+            _pins.unpin(self.pin_dir)
+
+    # -------------------------------------------------------------- read
+    def loaded(self) -> bool:
+        """Whether a dataplane is pinned for the device."""
+        return os.path.isdir(self.pin_dir)
+
+    def htb_classes(self) -> dict[int, HtbClassStats]:
+        """The device's HTB classes (ours: major 1) with live statistics."""
+        from ._netlink import Netlink
+
+        with Netlink(self.netns) as nl:
+            return nl.htb_classes(nl.ifindex(self.iface))
+
+    def policy_version(self) -> int:
+        """The policy version written in the pinned config map."""
+        with Maps.open_pinned(self.pin_dir) as maps:
+            return maps.policy_version()
+
+    def stats(self) -> DataplaneStats:
+        """Counters, policy version and flow-table census, from one map open."""
+        with Maps.open_pinned(self.pin_dir) as maps:
+            return DataplaneStats(maps.policy_version(), maps.read_stats(), maps.flow_census())
+
+    def flows(self) -> list[Flow]:
+        """Every entry of the TCP flow table, decoded (at most its capacity)."""
+        now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)  # bpf_ktime_get_ns's clock
+        out: list[Flow] = []
+        with Maps.open_pinned(self.pin_dir) as maps:
+            for k, v in maps.flows.items():
+                out.append(Flow(
+                    src=_addr(bytes(k.saddr)), dst=_addr(bytes(k.daddr)),
+                    sport=_be16(k.sport), dport=_be16(k.dport), proto=int(k.proto),
+                    direction=_DIRECTIONS.get(int(k.dir), str(int(k.dir))),
+                    class_id=int(v.class_id), modality=int(v.modality),
+                    packets=int(v.packets), bytes=int(v.bytes),
+                    idle_s=max(0.0, (now - int(v.last_seen_ns)) / 1e9),
+                ))
+        return out
+
+    def status(self, policy: Policy | None = None) -> DataplaneStatus:
+        """What is installed: attached programs, HTB classes and, when pinned,
+        the map contents and counters (class names from ``policy``)."""
+        from ._netlink import Netlink
+
+        with Netlink(self.netns) as nl:
+            idx = nl.ifindex(self.iface)
+            programs = nl.bpf_filters(idx)
+            htb = nl.htb_classes(idx)
+        if not self.loaded():
+            return DataplaneStatus(self.iface, self.netns, self.pin_dir, False, programs, htb)
+        names = {c.id: c.name for c in policy.classes} if policy else {}
+        with Maps.open_pinned(self.pin_dir) as maps:
+            stats = maps.read_stats()
+            classes: list[ClassStatus] = []
+            for cid in range(1, _abi.MAX_CLASSES):
+                info = maps.classes.lookup(cid)
+                if info is None or not info.valid:
+                    continue
+                eg = stats["egress"].classes.get(cid, (0, 0))
+                ig = stats["ingress"].classes.get(cid, (0, 0))
+                classes.append(ClassStatus(
+                    name=names.get(cid, str(cid)), id=cid, classid=int(info.classid),
+                    rank=int(info.rank), egress_packets=eg[0], egress_bytes=eg[1],
+                    ingress_packets=ig[0], ingress_bytes=ig[1], htb=htb.get(int(info.classid)),
+                ))
+            return DataplaneStatus(
+                self.iface, self.netns, self.pin_dir, True, programs, htb,
+                abi_version=maps.abi_version(), policy_version=maps.policy_version(),
+                flows=maps.flow_census().count, classes=classes,
+                reasons={d: s.reasons for d, s in stats.items()},
+            )
+
+    def drift(self, policy: Policy, version: int) -> list[str]:
+        """What differs between the kernel and ``policy`` at ``version`` as
+        ``up`` would leave it: pins, attached programs, the HTB root, default,
+        link and leaf classes, the policy version in the maps.  Empty: none."""
+        from ._netlink import HTB_PARENT, HTB_ROOT, Netlink
+
+        if not self.loaded():
+            return ["pinned programs and maps missing"]
+        spec = compile_policy(policy, version).htb
+        assert spec is not None
+        names = {c.classid: c.name for c in policy.classes}
+        found: list[str] = []
+        with Netlink(self.netns) as nl:
+            if not nl.link_exists(self.iface):
+                return [f"device {self.iface} is gone"]
+            idx = nl.ifindex(self.iface)
+            filters = nl.bpf_filters(idx)
+            pinned = _pins.pinned_prog_ids(self.pin_dir)
+            for d in _abi.PROGRAMS:
+                if d not in filters:
+                    found.append(f"{d} program detached")
+                elif pinned.get(d) and filters[d].get("prog_id") != pinned[d]:
+                    found.append(f"{d} hook runs program {filters[d].get('prog_id')}, "
+                                 f"not ours ({pinned[d]})")
+            if nl.root_qdisc(idx) != ("htb", HTB_ROOT):
+                found.append("HTB root qdisc missing or replaced")
+            elif nl.htb_default(idx) != spec.default_minor:
+                found.append("HTB default class changed")
+            have = nl.htb_classes(idx)
+        for leaf in spec.leaves:
+            h = have.get(leaf.classid)
+            what = f"HTB class {handle(leaf.classid)} ({names.get(leaf.classid, '?')})"
+            if h is None:
+                found.append(f"{what} missing")
+            elif (h.prio != leaf.prio or h.quantum != leaf.quantum
+                  or h.rate_Bps != leaf.rate_bps // 8 or h.ceil_Bps != leaf.ceil_bps // 8):
+                found.append(f"{what} changed")
+        parent = have.get(HTB_PARENT)
+        if parent is None or parent.rate_Bps != spec.link_bps // 8:
+            found.append("HTB link class missing or changed")
+        try:
+            in_maps = self.policy_version()
+        except DataplaneError as e:
+            return [*found, f"policy maps unreadable: {e}"]
+        if in_maps != (version & 0xFFFFFFFF):
+            found.append(f"policy maps hold version {in_maps}, want {version}")
+        return found

@@ -1,0 +1,165 @@
+"""What the dataplane face returns: typed, plain values (no fds, no ctypes).
+
+``as_dict()`` gives the JSON shape that the admin API and ``mmmesh dataplane
+status --json`` print (documented in docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def handle(classid: int) -> str:
+    """``0x1000b`` -> ``"1:b"`` (tc's notation of an HTB class id)."""
+    return f"{classid >> 16:x}:{classid & 0xFFFF:x}"
+
+
+@dataclass(frozen=True)
+class HtbClass:
+    classid: int  # 0x1XXXX
+    rate_bps: int  # guaranteed, bit/s
+    ceil_bps: int  # bit/s
+    prio: int  # 0..7
+    quantum: int  # bytes
+
+
+@dataclass(frozen=True)
+class HtbSpec:
+    link_bps: int
+    default_minor: int
+    leaves: tuple[HtbClass, ...]
+    leaf_limit: int = 100  # packets: short queues keep latency bounded
+
+
+@dataclass(frozen=True)
+class UpResult:
+    """What :meth:`Dataplane.up` did."""
+
+    iface: str
+    netns: str | None
+    adopted: bool  # a pinned dataplane of the same ABI and build was kept
+    prog_ids: dict[str, int] = field(default_factory=dict)  # direction -> BPF program id
+    policy_version: int = 0
+
+
+@dataclass(frozen=True)
+class HtbClassStats:
+    """One HTB class as the kernel reports it (rates in bytes/s, as tc stores them)."""
+
+    classid: int
+    parent: int
+    prio: int | None = None
+    quantum: int | None = None
+    rate_Bps: int | None = None
+    ceil_Bps: int | None = None
+    bytes: int = 0
+    packets: int = 0
+    drops: int = 0
+    overlimits: int = 0
+    backlog: int = 0  # bytes queued
+    qlen: int = 0  # packets queued
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k != "classid" and v is not None}
+
+
+@dataclass(frozen=True)
+class DirectionCounters:
+    """The classifier's counters for one direction, summed over CPUs."""
+
+    reasons: dict[str, int]  # reason name (lowercase) -> packets
+    classes: dict[int, tuple[int, int]]  # class id -> (packets, bytes); only non-zero ids
+
+
+@dataclass(frozen=True)
+class FlowCensus:
+    """How full the flow table is, without reading it entry by entry."""
+
+    count: int
+    capacity: int
+    by_class: dict[int, int] | None  # None when the kernel cannot batch-read the map
+
+
+@dataclass(frozen=True)
+class DataplaneStats:
+    """Everything a metrics scrape needs from the maps, read in one go."""
+
+    policy_version: int
+    counters: dict[str, DirectionCounters]  # "egress" / "ingress"
+    flows: FlowCensus
+
+
+@dataclass(frozen=True)
+class Flow:
+    """One entry of the TCP flow table, decoded (addresses as text, ports in
+    host order)."""
+
+    src: str
+    dst: str
+    sport: int
+    dport: int
+    proto: int
+    direction: str  # "egress" | "ingress"
+    class_id: int
+    modality: int
+    packets: int
+    bytes: int
+    idle_s: float  # since the flow's last packet
+
+    @property
+    def key(self) -> tuple[str, str, int, int, int, str]:
+        return (self.src, self.dst, self.sport, self.dport, self.proto, self.direction)
+
+
+@dataclass(frozen=True)
+class ClassStatus:
+    """One policy class as loaded: its map entry, counters and HTB class."""
+
+    name: str
+    id: int
+    classid: int
+    rank: int
+    egress_packets: int
+    egress_bytes: int
+    ingress_packets: int
+    ingress_bytes: int
+    htb: HtbClassStats | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "classid": handle(self.classid), "rank": self.rank,
+            "egress_packets": self.egress_packets, "egress_bytes": self.egress_bytes,
+            "ingress_packets": self.ingress_packets, "ingress_bytes": self.ingress_bytes,
+            "htb": self.htb.as_dict() if self.htb is not None else {},
+        }
+
+
+@dataclass(frozen=True)
+class DataplaneStatus:
+    """What is installed on a device (``loaded`` False: no pinned dataplane)."""
+
+    iface: str
+    netns: str | None
+    pin_dir: str
+    loaded: bool
+    programs: dict[str, dict[str, Any]]  # direction -> {"name", "prog_id"} as attached
+    htb: dict[int, HtbClassStats]
+    abi_version: int = 0
+    policy_version: int = 0
+    flows: int = 0
+    classes: list[ClassStatus] = field(default_factory=list)
+    reasons: dict[str, dict[str, int]] = field(default_factory=dict)  # direction -> counts
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"iface": self.iface, "netns": self.netns, "pin_dir": self.pin_dir,
+                               "programs": self.programs, "loaded": self.loaded}
+        if not self.loaded:
+            out["htb"] = {handle(k): v.as_dict() for k, v in self.htb.items()}
+            return out
+        out.update(abi_version=self.abi_version, policy_version=self.policy_version,
+                   flows=self.flows, classes={c.name: c.as_dict() for c in self.classes},
+                   reasons=self.reasons)
+        return out
