@@ -1,9 +1,13 @@
 """The multi-node QoS demo: network-namespace nodes, real traffic, mesh off vs on.
 
     testbed.py   nodes (netns) joined by veth links, the sender's uplink shaped
+    netlab.py    netlink for testbeds: namespaces, veth links, routes, the FIFO baseline
+    streams.py   ports, the traffic spec, MMH frame templates, latency statistics
     traffic.py   voice / video flood / LiDAR senders and receivers, one process each
     scenario.py  the phases (mesh off, mesh on, unloaded) and their results
     report.py    progress lines, the table, results.json and latency.png
+    pipeline.py  the reference multimodal pipeline across three namespace nodes
+    pipeline_cli.py  ``mmmesh demo --pipeline``: arguments and the table
     _cli.py      ``mmmesh demo``
 
 Everything here needs root; nothing outside the namespaces the testbed

@@ -62,7 +62,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def _run(a: argparse.Namespace) -> int:
     if a.pipeline:
-        from .pipeline import run_from_args
+        from .pipeline_cli import run_from_args
 
         return run_from_args(a)
     if os.geteuid() != 0:

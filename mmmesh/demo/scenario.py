@@ -21,8 +21,9 @@ from typing import Any
 
 from ..dataplane import Dataplane, DataplaneStatus, HtbClassStats, handle
 from ..policy import Policy, Rate, load_policy, parse_policy
+from .streams import TrafficSpec
 from .testbed import UPLINK, Testbed
-from .traffic import TrafficSpec, run_traffic
+from .traffic import run_traffic
 
 DEFAULT_POLICY = "examples/policy.yaml"
 MODALITIES = ("voice", "video", "lidar")
