@@ -8,10 +8,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 log() { printf '[bootstrap] %s\n' "$*" >&2; }
 
-if [ "$(id -u)" -ne 0 ]; then
-  echo "bootstrap: must run as root (BPF, qdiscs and namespaces need it)" >&2
-  exit 1
-fi
+. "$ROOT/scripts/as-root.sh" "$0" "$@"
 
 export DEBIAN_FRONTEND=noninteractive
 PKGS=(python3-bpfcc python3-venv python3-dev iproute2 iperf3 libbpf1 ca-certificates)
