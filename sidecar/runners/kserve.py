@@ -127,8 +127,20 @@ class _Base:
     async def _model_list(self) -> list[str]:
         return []
 
+    async def _metadata(self) -> dict[str, Any]:
+        """The model's metadata (v2 protocol, as JSON)."""
+        raise NotImplementedError
+
     async def _first_output(self) -> str | None:
-        return None
+        """The name of the model's first declared output (None: it declares none)."""
+        outs = (await self._metadata()).get("outputs") or []
+        return str(outs[0]["name"]) if outs else None
+
+    def _started(self) -> Any:
+        """The client; KServeError when the runner is not started."""
+        if self._client is None:
+            raise self._err("runner is not started")
+        return self._client
 
     def _connect(self) -> None:
         raise NotImplementedError
@@ -213,15 +225,12 @@ class KServeRestRunner(_Base):
         index = await self._client.get_model_repository_index()
         return sorted({str(m.get("name")) for m in index if m.get("name")})
 
-    async def _first_output(self) -> str | None:
-        meta = await self._client.get_model_metadata(self.model, self.version)
-        outs = meta.get("outputs") or []
-        return str(outs[0]["name"]) if outs else None
+    async def _metadata(self) -> dict[str, Any]:
+        meta: dict[str, Any] = await self._client.get_model_metadata(self.model, self.version)
+        return meta
 
     async def infer(self, inp: StageInput) -> np.ndarray:
-        client = self._client
-        if client is None:
-            raise self._err("runner is not started")
+        client = self._started()
         arr = _wire_array(inp.array)
         try:
             tensor = httpclient.InferInput(self.cfg.input_name, list(arr.shape),
@@ -317,16 +326,13 @@ class KServeGrpcRunner(_Base):
         index = await self._client.get_model_repository_index(as_json=True)
         return sorted({str(m.get("name")) for m in index.get("models", []) if m.get("name")})
 
-    async def _first_output(self) -> str | None:
-        meta = await self._client.get_model_metadata(self.model, self.version, as_json=True,
-                                                     client_timeout=self.timeout_s)
-        outs = meta.get("outputs") or []
-        return str(outs[0]["name"]) if outs else None
+    async def _metadata(self) -> dict[str, Any]:
+        meta: dict[str, Any] = await self._client.get_model_metadata(
+            self.model, self.version, as_json=True, client_timeout=self.timeout_s)
+        return meta
 
     async def infer(self, inp: StageInput) -> np.ndarray:
-        client = self._client
-        if client is None:
-            raise self._err("runner is not started")
+        client = self._started()
         arr = _wire_array(inp.array)
         tensor = grpcclient.InferInput(self.cfg.input_name, list(arr.shape),
                                        kserve_datatype(arr))
