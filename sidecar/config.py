@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from mmmesh._net import check_hostport
+from mmmesh.slareport import MAX_WINDOW_S
 from mmmesh.wire import parse_modality
 
 
@@ -25,18 +27,18 @@ class _M(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _hostport(v: str) -> str:
-    host, sep, port = v.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"expected host:port, got {v!r}")
-    return v
+def _hostport(v: str | None, info: ValidationInfo) -> str | None:
+    """A ``host:port`` field (``[v6-address]:port`` for IPv6), checked by
+    ``mmmesh._net`` as everywhere in mmmesh; None stays None."""
+    return None if v is None else check_hostport(v, what=str(info.field_name))
 
 
 class Listen(_M):
     tcp: str | None = Field(default="0.0.0.0:9000", description="host:port for MMH over TCP")
-    udp: str | None = Field(default=None, description="host:port for MMH over UDP (real-time audio)")
+    udp: str | None = Field(default=None,
+                            description="host:port for MMH over UDP (real-time audio)")
 
-    _v = field_validator("tcp", "udp")(lambda v: None if v is None else _hostport(v))
+    _v = field_validator("tcp", "udp")(_hostport)
 
 
 class RunnerConfig(_M):
@@ -65,7 +67,7 @@ class Output(_M):
                                       description="deadline added to the frame's timestamp")
     realtime: bool = Field(default=False, description="drop frames past their deadline")
 
-    _a = field_validator("address")(lambda v: _hostport(v))
+    _a = field_validator("address")(_hostport)
 
     @field_validator("modality")
     @classmethod
@@ -93,7 +95,9 @@ class Limits(_M):
 class QosdLink(_M):
     socket: Path | None = Field(default=Path("/run/mmmesh/sla.sock"),
                                 description="qosd's report-only socket (POST /v1/sla)")
-    report_interval_s: float = Field(default=5.0, gt=0)
+    report_interval_s: float = Field(default=5.0, gt=0, le=MAX_WINDOW_S,
+                                     description="seconds per SLA window (at most a day: "
+                                                 "the report schema's bound)")
 
 
 class SidecarConfig(_M):
@@ -105,13 +109,20 @@ class SidecarConfig(_M):
                                    description="class name used for inputs' metrics")
     limits: Limits = Limits()
     qosd: QosdLink = QosdLink()
-    metrics_addr: str | None = Field(default=None, description="host:port for /metrics")
+    metrics_addr: str | None = Field(default=None, description="host:port for /metrics "
+                                     "(\":9090\": every interface)")
     instance: str | None = Field(default=None, max_length=253, description="this sidecar's "
                                  "name in SLA reports (replicas of a stage are kept apart by "
                                  "qosd and merged); default: hostname/pid (in Kubernetes the "
                                  "hostname is the pod name)")
     otel: bool = Field(default=False, description="export spans with OpenTelemetry "
                                                   "(OTEL_* environment configures it)")
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _metrics_addr(cls, v: str | None) -> str | None:
+        return None if v is None else check_hostport(v, default_host="0.0.0.0",
+                                                     what="metrics_addr")
 
     @model_validator(mode="after")
     def _unique_outputs(self) -> SidecarConfig:
