@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
 import signal
@@ -29,8 +28,9 @@ from typing import Any, Self
 from pydantic import ValidationError
 
 from .config import SidecarConfig, load_config
-from .iface import Runner, SlaSink
+from .contract import Runner, SlaSink
 from .runners import make_runner
+from .sla import SlaRecorder
 from .stage import NullSink, Stage, StageCounters, realtime_predicate
 from .transport import (
     FrameSender,
@@ -235,24 +235,11 @@ def _setup_otel(cfg: SidecarConfig) -> None:
     trace.set_tracer_provider(provider)
 
 
-async def _maybe_await(x: Any) -> Any:
-    return await x if inspect.isawaitable(x) else x
-
-
 async def _serve(cfg: SidecarConfig) -> int:
-    recorder: Any = None
-    try:
-        from .sla import SlaRecorder  # written separately; optional
-    except ModuleNotFoundError as e:
-        if e.name not in ("sidecar.sla", f"{__package__}.sla"):
-            raise
-        log.warning("sidecar.sla is not available: SLA samples are not recorded")
-    else:
-        recorder = SlaRecorder(cfg)
-        await _maybe_await(recorder.start())
+    recorder = SlaRecorder(cfg)
+    await recorder.start()
     sc = Sidecar(cfg, sink=recorder)
-    if recorder is not None and hasattr(recorder, "bind_counters"):
-        recorder.bind_counters(sc.counters)
+    recorder.bind_counters(sc.counters)
     stop = asyncio.Event()
     clean = False
     loop = asyncio.get_running_loop()
@@ -268,8 +255,7 @@ async def _serve(cfg: SidecarConfig) -> int:
     finally:
         if sc._started:
             await sc.stop(timeout=0)
-        if recorder is not None:
-            await _maybe_await(recorder.stop())
+        await recorder.stop()
     return 0 if clean else 1
 
 

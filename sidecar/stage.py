@@ -7,9 +7,10 @@ that many ``infer()`` calls are in flight).  Per frame:
   ERROR TLV is kept as is, so the end of the pipeline sees the original code
   and the stage that failed; the stage counts them as ``UPSTREAM``).
 * END_OF_STREAM frames without a tensor are forwarded as they are.
-* The payload becomes a zero-copy numpy view (``iface.tensor_from_frame``);
+* The payload becomes a zero-copy numpy view (``contract.tensor_from_frame``);
   a frame that is not a valid tensor -> BAD_INPUT error frame.
-* Real-time frames already past ``deadline_ns`` are dropped and counted.
+* Real-time frames already past ``deadline_ns`` are dropped and counted
+  (``contract.drop_late``).
 * ``runner.infer()`` under ``asyncio.timeout(timeout_s)``: an exception ->
   STAGE_FAILED, a timeout -> STAGE_TIMEOUT error frame; the worker goes on.
 * The output tensor is framed for every Output: same stream id and sequence,
@@ -18,7 +19,11 @@ that many ``infer()`` calls are in flight).  Per frame:
   (a child span per stage when ``otel`` is on), modality and class byte from
   the Output, TENSOR TLV from the array.
 
-Every frame yields one ``iface.SlaSample`` for the sink.
+With ``concurrency`` 1 and a runner that is a ``contract.BatchRunner`` (and
+``batchable`` once started), a worker hands every frame already waiting to one
+``infer_batch`` call.
+
+Every frame yields one ``contract.SlaSample`` for the sink.
 """
 
 from __future__ import annotations
@@ -39,8 +44,21 @@ from mmmesh._abi import Flag
 from mmmesh.wire import Header, TensorSpec, encode_header, parse_modality
 
 from .config import Output, SidecarConfig
-from .iface import ErrorCode, Runner, SlaSample, SlaSink, StageInput, tensor_from_frame, tensor_spec
+from .contract import (
+    BatchResult,
+    BatchRunner,
+    ErrorCode,
+    Runner,
+    SlaSample,
+    SlaSink,
+    StageInput,
+    drop_late,
+    past_deadline,
+    tensor_from_frame,
+    tensor_spec,
+)
 from .transport import FrameSender, InFrame
+from .transport.frames import joined
 
 __all__ = ["NullSink", "Stage", "StageCounters", "realtime_predicate"]
 
@@ -65,7 +83,6 @@ class StageCounters:
     no_output: int = 0  # infer() returned None
     errors: Counter[str] = field(default_factory=Counter)  # ErrorCode name -> frames
     dropped_deadline: int = 0  # real-time frames past their deadline before the stage ran
-    dropped_overload: int = 0  # (inbound drops are counted by the server; kept for symmetry)
     in_flight: int = 0
     max_in_flight: int = 0
 
@@ -144,11 +161,7 @@ class Stage:
 
     async def drain(self, timeout: float) -> bool:
         """Wait until the inbound queue is empty and nothing is in flight."""
-        try:
-            await asyncio.wait_for(self.queue.join(), timeout)
-            return True
-        except TimeoutError:
-            return False
+        return await joined(self.queue, timeout)
 
     async def stop(self) -> None:
         for t in self._workers:
@@ -161,18 +174,25 @@ class Stage:
     # -- the work --------------------------------------------------------------
     MAX_BATCH = 32
 
+    def _batch_runner(self) -> BatchRunner | None:
+        """The runner when frames may go to it in batches (see the module)."""
+        r = self.runner
+        if self.concurrency == 1 and isinstance(r, BatchRunner) and r.batchable:
+            return r
+        return None
+
     async def _worker(self) -> None:
         q = self.queue
-        batching = self.concurrency == 1 and getattr(self.runner, "batchable", False)
+        batch_runner = self._batch_runner()
         while True:
             items = [await q.get()]
-            while batching and len(items) < self.MAX_BATCH and not q.empty():
+            while batch_runner is not None and len(items) < self.MAX_BATCH and not q.empty():
                 items.append(q.get_nowait())
             try:
-                if len(items) == 1:
+                if batch_runner is None or len(items) == 1:
                     await self.process(items[0])
                 else:
-                    await self.process_batch(items)
+                    await self.process_batch(batch_runner, items)
             except asyncio.CancelledError:
                 raise
             except Exception:  # never die
@@ -185,7 +205,6 @@ class Stage:
                 dropped: bool = False, error: bool = False, sla_class: str | None = None,
                 done_ns: int | None = None) -> None:
         now = time.time_ns() if done_ns is None else done_ns
-        missed = h.deadline_ns is not None and now > h.deadline_ns
         s = SlaSample(
             stage=self.cfg.stage,
             sla_class=sla_class or self.cfg.default_sla_class,
@@ -193,7 +212,7 @@ class Stage:
             queue_ns=max(queue_ns, 0),
             service_ns=max(service_ns, 0),
             e2e_ns=None if h.timestamp_ns is None else now - h.timestamp_ns,
-            deadline_missed=missed,
+            deadline_missed=past_deadline(h, now),
             dropped=dropped,
             error=error,
         )
@@ -245,8 +264,7 @@ class Stage:
             await self._fail(f, ErrorCode.BAD_INPUT, str(e))
             return None
         start = time.time_ns()
-        if (h.deadline_ns is not None and start > h.deadline_ns
-                and (f.transport == "udp" or self._realtime(h))):
+        if drop_late(h, f.transport == "udp" or self._realtime(h), start):
             c.dropped_deadline += 1
             self._sample(h, queue_ns=start - f.received_ns, dropped=True, done_ns=start)
             return None
@@ -282,12 +300,13 @@ class Stage:
             await self._fan_out(h, result, traceparent=traceparent)
         self._sample(h, queue_ns=start - f.received_ns, service_ns=end - start, done_ns=end)
 
-    async def process_batch(self, items: list[InFrame]) -> None:
-        """Frames that were waiting together go to a plain-function runner in
-        ONE thread hop (instead of one hop, two cross-CPU wake-ups, per frame),
-        in order.  Each frame keeps its own output, error frame and SLA sample.
-        If a frame hangs, the ones before it are delivered, it gets
-        STAGE_TIMEOUT, and the ones after it are run one by one."""
+    async def process_batch(self, runner: BatchRunner, items: list[InFrame]) -> None:
+        """Frames that were waiting together go to ``runner`` in one call, in
+        order (for a plain-function runner: ONE thread hop instead of one hop,
+        two cross-CPU wake-ups, per frame).  Each frame keeps its own output,
+        error frame and SLA sample.  If a frame hangs, the ones before it are
+        delivered, it gets STAGE_TIMEOUT, and the ones after it are run one by
+        one."""
         preps: list[tuple[InFrame, np.ndarray, int, Any]] = []
         for f in items:
             p = await self._prepare(f)
@@ -300,11 +319,11 @@ class Stage:
         c.max_in_flight = max(c.max_in_flight, c.in_flight)
         inputs = [StageInput(header=f.header, array=a, received_ns=f.received_ns,
                              source=f.source) for f, a, _, _ in preps]
-        done: list[tuple[bool, Any, int]] = []  # filled by the runner's thread, in order
+        done: list[BatchResult] = []  # filled by the runner as each input finishes, in order
         timed_out = False
         try:
             async with asyncio.timeout(self.timeout * len(preps)):
-                await self.runner.infer_batch(inputs, done)  # type: ignore[attr-defined]
+                await runner.infer_batch(inputs, done)
         except TimeoutError:
             timed_out = True
         finally:

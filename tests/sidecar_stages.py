@@ -83,7 +83,7 @@ from typing import Any
 
 from mmmesh.wire import Header, frame
 from sidecar.config import Limits, Listen, SidecarConfig
-from sidecar.iface import SlaSample, tensor_spec
+from sidecar.contract import SlaSample, tensor_spec
 from sidecar.transport import FrameServer, InFrame
 
 LOCAL = "127.0.0.1:0"

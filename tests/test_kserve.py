@@ -29,7 +29,7 @@ import pytest
 
 from mmmesh.wire import Header, parse_modality
 from sidecar.config import RunnerConfig
-from sidecar.iface import StageInput, tensor_spec
+from sidecar.contract import StageInput, tensor_spec
 from sidecar.runners.kserve import (
     KServeError,
     KServeGrpcRunner,

@@ -115,7 +115,7 @@ def test_fusion_aligns_by_stream_and_sequence() -> None:
 
 def test_fusion_runner_reads_headers() -> None:
     from mmmesh.wire import Header
-    from sidecar.iface import StageInput
+    from sidecar.contract import StageInput
 
     r = stages.FusionRunner()
 

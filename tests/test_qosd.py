@@ -420,7 +420,7 @@ def test_sidecar_replicas_are_merged_node_wide(node: Node, tmp_path: Path) -> No
     import numpy as np
 
     from sidecar.config import SidecarConfig
-    from sidecar.iface import SlaSample
+    from sidecar.contract import SlaSample
     from sidecar.sla import SlaRecorder
 
     node.start()

@@ -178,9 +178,9 @@ def test_queued_small_frames_share_a_sendmsg_and_arrive_intact() -> None:
 
 
 def test_a_frame_cut_off_mid_write_is_resent_whole() -> None:
-    from sidecar.transport import _Framed
+    from sidecar.transport.frames import Framed
 
-    f = _Framed(tensor_header(np.zeros(1, np.uint8)), [b"HEAD", memoryview(b"payload-bytes")])
+    f = Framed(tensor_header(np.zeros(1, np.uint8)), [b"HEAD", memoryview(b"payload-bytes")])
     assert f.total == 17
     assert f.consume(6) == 0 and bytes(f.views[0]) == b"yload-bytes"
     f.rewind()  # the connection broke: the new one gets the whole frame
@@ -334,15 +334,16 @@ def test_after_a_reconnect_cut_frames_start_over_and_expired_ones_go() -> None:
     import time
 
     from sidecar.config import Limits, Output
-    from sidecar.transport import FrameQueue, FrameSender, _Framed
+    from sidecar.transport import FrameQueue, FrameSender
+    from sidecar.transport.frames import Framed
 
     s = FrameSender(Output(name="s", address="127.0.0.1:9", modality="tensor",
                            sla_class="voice", realtime=True), Limits())
     q = FrameQueue(10, 0, lambda it: 0)
     a = np.zeros(4, np.uint8)
-    cut = _Framed(tensor_header(a, seq=0, deadline_ns=time.time_ns() + 10**10), [b"HDR", a])
+    cut = Framed(tensor_header(a, seq=0, deadline_ns=time.time_ns() + 10**10), [b"HDR", a])
     cut.consume(2)
-    late = _Framed(tensor_header(a, seq=1, deadline_ns=time.time_ns() - 1), [b"HDR", a])
+    late = Framed(tensor_header(a, seq=1, deadline_ns=time.time_ns() - 1), [b"HDR", a])
     for _ in range(2):
         q.put_nowait(object())
         q.get_nowait()  # two unfinished tasks, as the writer holds them

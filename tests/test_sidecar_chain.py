@@ -11,7 +11,7 @@ import numpy as np
 from mmmesh._abi import Flag
 from mmmesh.wire import Header
 from sidecar.config import Limits, Output
-from sidecar.iface import ErrorCode, tensor_from_frame
+from sidecar.contract import ErrorCode, tensor_from_frame
 from sidecar.main import Sidecar
 from sidecar.transport import FrameSender
 from tests.sidecar_stages import ListSink, Sink, make_cfg, out, run, tensor_header
@@ -104,7 +104,7 @@ def test_python_runner_passes_the_header_to_functions_that_take_it() -> None:
 
     from mmmesh.wire import Header
     from sidecar.config import RunnerConfig
-    from sidecar.iface import StageInput
+    from sidecar.contract import StageInput
     from sidecar.runners import make_runner
 
     async def go() -> tuple[object, object]:

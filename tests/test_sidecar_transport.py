@@ -13,12 +13,12 @@ import pytest
 
 from mmmesh._abi import Flag
 from mmmesh.wire import Header, frame
-from sidecar import transport
 from sidecar.config import Limits, Output
-from sidecar.iface import ErrorCode, tensor_from_frame
+from sidecar.contract import ErrorCode, tensor_from_frame
 from sidecar.main import Sidecar
 from sidecar.runners import make_runner
 from sidecar.transport import FrameSender
+from sidecar.transport import send as send_module
 from tests.sidecar_stages import (
     ListSink,
     Sink,
@@ -87,14 +87,14 @@ def test_sender_does_not_copy_the_tensor(monkeypatch: pytest.MonkeyPatch) -> Non
     """64 MiB through a FrameSender: the payload handed to sendmsg is a view of
     the array, and the process's peak RSS does not grow by the tensor's size."""
     seen: list[list[object]] = []
-    real_frame = transport.frame
+    real_frame = send_module.frame
 
     def spy(h: Header, payload: object = b"") -> list[bytes | memoryview]:
         bufs = real_frame(h, payload)  # type: ignore[arg-type]
         seen.append(bufs)  # type: ignore[arg-type]
         return bufs
 
-    monkeypatch.setattr(transport, "frame", spy)
+    monkeypatch.setattr(send_module, "frame", spy)
     big = np.ones(16 << 20, dtype=np.float32)  # 64 MiB, pages touched
     received = 0
 
@@ -426,7 +426,7 @@ def test_onnx_runner(tmp_path: object) -> None:
     from onnx import TensorProto, helper
 
     from sidecar.config import RunnerConfig
-    from sidecar.iface import StageInput
+    from sidecar.contract import StageInput
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4])

@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mmmesh.slareport import SlaReport
 from qosd import api
-from qosd.api import SlaReport
 from sidecar.config import SidecarConfig
-from sidecar.iface import SlaSample
+from sidecar.contract import SlaSample
 from sidecar.sla import (
     BUCKETS_S,
     RELATIVE_ACCURACY,
@@ -363,7 +363,7 @@ def test_merge_groups_and_entries() -> None:
 # --------------------------------------------------------------------------
 # Reporter: a real HTTP server on a unix socket
 # --------------------------------------------------------------------------
-# the contract is qosd's own request model (one source of truth)
+# the contract is the one report schema, the model qosd validates requests with
 SlaBody = SlaReport
 
 

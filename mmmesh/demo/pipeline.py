@@ -222,7 +222,7 @@ def collector_child(ctl: Ctl, listen: str, stop_wall: float,
                     keep_scores: bool = False) -> dict[str, Any]:
     """Receives the decoder's outputs: per frame (sequence, e2e ns, error, scores)."""
     from sidecar.config import Limits, Listen
-    from sidecar.iface import tensor_from_frame
+    from sidecar.contract import tensor_from_frame
     from sidecar.transport import FrameServer
 
     async def main() -> dict[str, Any]:
@@ -275,7 +275,7 @@ def sensors_child(ctl: Ctl, targets: dict[str, str], spec: SourceSpec, start_wal
     from examples.pipeline import stages
     from mmmesh.wire import Header
     from sidecar.config import Limits, Output
-    from sidecar.iface import tensor_spec
+    from sidecar.contract import tensor_spec
     from sidecar.transport import FrameSender
 
     gens: dict[str, Callable[[int], Any]] = {

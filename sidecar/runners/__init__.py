@@ -15,7 +15,7 @@ The KServe runners are imported only when used (they pull in HTTP/gRPC clients).
 from __future__ import annotations
 
 from ..config import RunnerConfig
-from ..iface import Runner
+from ..contract import Runner
 
 __all__ = ["make_runner"]
 

@@ -37,7 +37,7 @@ from tritonclient.utils import InferenceServerException  # type: ignore[import-u
 
 from mmmesh._errors import MeshError
 from sidecar.config import RunnerConfig
-from sidecar.iface import KSERVE_NAMES, NUMPY_TO_DTYPE, StageInput
+from sidecar.contract import KSERVE_NAMES, NUMPY_TO_DTYPE, StageInput
 
 __all__ = ["KServeError", "KServeGrpcRunner", "KServeRestRunner", "KServeTimeout",
            "kserve_datatype"]

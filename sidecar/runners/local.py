@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import functools
+import importlib
 import inspect
-import time
-import threading
 import logging
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..config import RunnerConfig
-from ..iface import StageInput
+from ..contract import BatchResult, BatchRunner, StageInput
 
 __all__ = ["OnnxRunner", "PythonRunner", "load_target"]
 
@@ -44,11 +44,13 @@ def load_target(target: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
-class PythonRunner:
+class PythonRunner(BatchRunner):
     """Calls ``function(array)`` — or ``function(array, header=...)`` when the
     function takes a ``header`` parameter (stateful stages such as a fusion
     stage need the stream id and sequence); a coroutine function is awaited on
-    the loop, a plain one runs in the runner's thread pool."""
+    the loop, a plain one runs in the runner's thread pool.  A plain function
+    also takes batches (``contract.BatchRunner``): the frames already waiting
+    run in one thread hop."""
 
     def __init__(self, cfg: RunnerConfig) -> None:
         self.cfg = cfg
@@ -95,8 +97,7 @@ class PythonRunner:
         """Plain functions: the stage may hand over queued frames in one hop."""
         return self._fn is not None and not self._async
 
-    async def infer_batch(self, inputs: list[StageInput],
-                          done: list[tuple[bool, Any, int]]) -> None:
+    async def infer_batch(self, inputs: Sequence[StageInput], done: list[BatchResult]) -> None:
         """Runs ``inputs`` in order in ONE thread hop, appending
         (ok, result-or-exception, end ns) to ``done`` as each finishes, so a
         caller that gives up (timeout) keeps what was finished; the inputs not
@@ -113,9 +114,10 @@ class PythonRunner:
                     return
                 try:
                     r = fn(inp.array, header=inp.header) if wants_header else fn(inp.array)
-                    done.append((True, None if r is None else np.asarray(r), time.time_ns()))
+                    done.append(BatchResult(True, None if r is None else np.asarray(r),
+                                            time.time_ns()))
                 except Exception as e:  # per input, like infer()
-                    done.append((False, e, time.time_ns()))
+                    done.append(BatchResult(False, e, time.time_ns()))
 
         assert self._pool is not None
         cf = self._pool.submit(run_all)
