@@ -127,7 +127,12 @@ def test_sender_does_not_copy_the_tensor(monkeypatch: pytest.MonkeyPatch) -> Non
         await asyncio.wait_for(reader, 10)
         lsock.close()
         assert s.counters.frames_out == 1
-        assert (peak - base) < 16 * 1024, f"peak RSS grew by {(peak - base) // 1024} MiB"
+        # the bug: a copy of the tensor on the way to the socket (bytes(array), a
+        # joined header + payload) adds the tensor's whole size to the peak.  A
+        # quarter of it (16 MiB) is room for the allocator, the peer's 1 MiB read
+        # buffer and the event loop; RSS does not grow with CPU load.
+        grew_kib = peak - base
+        assert grew_kib < big.nbytes // 4 // 1024, f"peak RSS grew by {grew_kib // 1024} MiB"
 
     run(main())
     assert received == len(seen[0][0]) + big.nbytes  # type: ignore[arg-type]
