@@ -20,14 +20,15 @@ exit, output checked) of:
 
 ``mmmeshctl`` is the console script next to this interpreter (``python -m
 mmmesh.ctl`` when there is none).  With ``--before-rev REV`` the three CLI
-commands are also timed with ``mmmesh/ctl.py`` as it is in git revision REV
-(``git show``; run from a temporary directory, so nothing in the work tree
-changes).  The variants are interleaved run by run so that load on the machine
-hits all of them alike; one untimed warm-up run each comes first.
+commands are also timed with the ``mmmesh`` package as it is in git revision
+REV (``git archive`` into a temporary directory, so nothing in the work tree
+changes; ``mmmesh/ctl.py`` before the split, ``mmmesh/ctl/`` after it).  The
+variants are interleaved run by run so that load on the machine hits all of
+them alike; one untimed warm-up run each comes first.
 
 Bytecode: an installed CLI runs from .pyc files (pip compiles them), while a
-work tree under ``PYTHONDONTWRITEBYTECODE=1`` compiles mmmesh/ctl.py (~10 ms)
-on every run.  By default (``--bytecode cache``) the children get a private
+work tree under ``PYTHONDONTWRITEBYTECODE=1`` compiles mmmesh/ctl (~10 ms) on
+every run.  By default (``--bytecode cache``) the children get a private
 ``PYTHONPYCACHEPREFIX`` in the temporary directory (filled by the warm-up
 run), so every variant runs from bytecode as when installed and nothing is
 written to the work tree; ``--bytecode env`` leaves the environment as it is.
@@ -38,12 +39,14 @@ Prints a table of p50/p99 ms, writes out/bench/ctl_startup.json (atomically).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,7 +56,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mmmesh._files import write_json  # noqa: E402
+from mmmesh._files import write_json
 from qosd import api
 from tests.test_api import StoreService
 
@@ -86,13 +89,18 @@ def ctl_argv() -> list[str]:
 
 
 def before_argv(rev: str, tmp: Path) -> list[str]:
-    """``mmmesh/ctl.py`` of git revision ``rev`` as a stand-alone module in ``tmp``."""
-    src = subprocess.run(["git", "show", f"{rev}:mmmesh/ctl.py"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
-    (tmp / "mmmeshctl_before.py").write_text(src)
+    """``mmmesh.ctl.main`` of git revision ``rev``: its ``mmmesh`` package is
+    extracted into ``tmp`` and imported from there, as the console script does."""
+    dest = tmp / "before"
+    tar = subprocess.run(["git", "archive", "--format=tar", rev, "mmmesh"], cwd=ROOT,
+                         check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:  # our own repository's files
+        if hasattr(tarfile, "data_filter"):
+            tf.extractall(dest, filter="data")
+        else:  # Python before 3.11.4
+            tf.extractall(dest)
     # sys.argv[1:] are the CLI's arguments, as with the console script
-    code = (f"import sys; sys.path.insert(0, {str(tmp)!r}); "
-            "import mmmeshctl_before as m; m.main()")
+    code = f"import sys; sys.path.insert(0, {str(dest)!r}); from mmmesh.ctl import main; main()"
     return [PY, "-c", code]
 
 
@@ -164,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=30, help="timed runs per command")
     ap.add_argument("--before-rev", metavar="REV", default=None,
-                    help="also time mmmesh/ctl.py as of this git revision (e.g. HEAD~1)")
+                    help="also time mmmeshctl as of this git revision (e.g. HEAD~1)")
     ap.add_argument("--bytecode", choices=("cache", "env"), default="cache",
                     help="cache: run from .pyc files in a private PYTHONPYCACHEPREFIX, as an "
                          "installed CLI does (default); env: the environment as it is")

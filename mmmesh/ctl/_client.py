@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .._net import parse_hostport
 from ._exit import EXIT, PROG, fail
 
 if TYPE_CHECKING:  # imported where used (start-up time)
@@ -212,6 +211,8 @@ def _host_port(netloc: str) -> tuple[str, int | None]:
     default); with one, :func:`mmmesh._net.parse_hostport`
     reads it (a missing host comes back as "").  Raises ValueError.
     """
+    from .._net import parse_hostport  # only with --server
+
     hostport = netloc.rpartition("@")[2]
     if ":" not in hostport.rpartition("]")[2]:  # the colons of [v6] are not a port
         return hostport.removeprefix("[").removesuffix("]"), None
