@@ -1,24 +1,37 @@
 """The contract between qosd's parts (read this before writing any of them).
 
-``QosdService`` (qosd/service.py) is the one object the admin API
-(qosd/api.py) and the metrics collector (qosd/metrics.py) talk to.  All its
-methods are thread-safe and synchronous; the API calls them from a worker
-thread (``run_in_threadpool``).  Errors are from qosd/errors.py or
-mmmesh._errors.PolicyError and map to HTTP as:
+``QosdService`` (qosd/service.py) is the one object the HTTP APIs
+(qosd/api/) and the metrics collector (qosd/metrics.py) talk to.  All its
+methods are thread-safe and synchronous; the APIs call them from a worker
+thread (``run_in_threadpool``).  Which endpoint calls which method:
 
-    PolicyError        422  {"error": "invalid_policy", "message": str, "errors": [[field, msg], ...]}
-    UnrealizableError  422  {"error": "unrealizable", "message": str, "errors": [[field, msg], ...]}
-    ConflictError      409  {"error": "conflict", "message": str, "base_version": int, "current_version": int}
-    NotFoundError      404  {"error": "not_found", "message": str}
-    DataplaneError     503  {"error": "dataplane", "message": str}   (kernel side failed; last good state kept)
+    GET  /v1/policy                           policy()
+    GET  /v1/policy/versions/{version}        history()
+    POST /v1/policy/validate                  validate()
+    PUT  /v1/policy                           apply()
+    POST /v1/policy/diff                      diff()
+    GET  /v1/policy/history                   history()
+    POST /v1/policy/rollback                  rollback()
+    GET  /v1/status                           status()
+    GET  /v1/flows/top                        top_flows()
+    POST /v1/sla                              report_sla()   (admin socket and sla.sock)
+    GET  /v1/sla                              sla()
+    GET  /healthz, /readyz                    healthy(), ready()
+
+Errors are qosd/errors.py's or mmmesh/_errors.py's (PolicyError,
+DataplaneError); the table in qosd/api/errors.py says what each becomes in
+HTTP (e.g. PolicyError 422 "invalid_policy" with [[field, message], ...],
+ConflictError 409 with base_version and current_version, DataplaneError 503
+when the kernel side failed and the last good state is kept).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mmmesh.policy import Policy
+from mmmesh.slareport import SlaReport
 
 
 @dataclass(frozen=True)
@@ -34,14 +47,16 @@ class PolicyVersion:
     note: str | None = None  # e.g. "rollback to 3"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReconcileResult:
+    """One reconcile, complete before anybody sees it (the reconciler builds it)."""
+
     ok: bool
     version: int  # policy version that is now in the kernel (last good on failure)
     started_at: float
     duration_s: float
-    trigger: str  # "apply" | "rollback" | "resync" | "startup"
-    repaired: list[str] = field(default_factory=list)  # drift found and fixed
+    trigger: str  # "apply" | "rollback" | "resync" | "startup" | "restore"
+    repaired: tuple[str, ...] = ()  # drift this reconcile found and (if ok) fixed
     error: str | None = None
 
 
@@ -85,12 +100,13 @@ class Service(Protocol):
         "started_at": float, "adopted": bool}"""
         ...
     def top_flows(self, n: int = 20) -> list[FlowRow]: ...
-    def report_sla(self, report: dict[str, Any]) -> int:
-        """Keeps a sidecar's window (api.SlaReport as a dict); returns how many
-        (class, modality) entries were taken."""
+    def report_sla(self, report: SlaReport) -> int:
+        """Keeps a sidecar's windows (the validated body of ``POST /v1/sla``);
+        returns how many (class, modality) entries were taken."""
         ...
     def sla(self) -> dict[str, list[dict[str, Any]]]:
-        """{"instances", "stages", "classes"}: an api.SlaView (qosd/slaboard.py)."""
+        """{"instances", "stages", "classes"}: a mmmesh.slareport.SlaView
+        (qosd/slaboard.py), the body of ``GET /v1/sla``."""
         ...
     def healthy(self) -> bool: ...  # process is alive and serving
     def ready(self) -> bool: ...  # dataplane loaded and a policy reconciled
