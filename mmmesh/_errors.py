@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class MeshError(Exception):
     """Root of every error mmmesh raises on purpose."""
@@ -38,3 +40,15 @@ class DataplaneError(MeshError, OSError):
 
 class NotSupportedError(DataplaneError):
     """The kernel or machine lacks a feature mmmesh needs."""
+
+
+def field_path(parts: Sequence[object]) -> str:
+    """A validation error location as one field name:
+    ``("classes", 0, "rate")`` -> ``"classes[0].rate"``."""
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out

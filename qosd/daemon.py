@@ -48,7 +48,7 @@ def sd_notify(state: str) -> bool:
 async def run(cfg: QosdConfig) -> int:
     from starlette.concurrency import run_in_threadpool
 
-    from .api import _start, bind_uds, create_app, create_sla_app, serve
+    from .api import create_app, create_sla_app, serve, serve_uds
     from .metrics import Target, make_registry, serve_metrics
     from .service import QosdService
 
@@ -91,7 +91,7 @@ async def run(cfg: QosdConfig) -> int:
     servers = await serve(create_app(svc), uds=str(cfg.api_socket), tcp=tcp, app_tcp=app_tcp)
     if cfg.sla_socket is not None:
         # model pods report here; they cannot reach the policy endpoints
-        servers.append(await _start(bind_uds(create_sla_app(svc), cfg.sla_socket, mode=0o666)))
+        servers.append(await serve_uds(create_sla_app(svc), cfg.sla_socket, mode=0o666))
         log.info("SLA reports on unix:%s", cfg.sla_socket)
     log.info("admin API on unix:%s%s", cfg.api_socket,
              f" and tcp:{tcp} (bearer token required)" if tcp else "")

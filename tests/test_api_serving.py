@@ -199,10 +199,6 @@ def test_public_names() -> None:
     star: dict[str, Any] = {}
     exec("from qosd.api import *", star)  # every listed name resolves, and nothing else comes
     assert sorted(set(star) - {"__builtins__"}) == sorted(api.__all__)
-    # kept for their importers: qosd/daemon.py (_start), tests/test_sla.py (SlaReport)
-    from mmmesh.slareport import SlaReport
-    from qosd.api import _start
-    assert api.SlaReport is SlaReport and callable(_start)
 
 
 def test_python_m_qosd_api_writes_the_document(tmp_path: Path) -> None:

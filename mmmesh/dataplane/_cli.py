@@ -51,10 +51,11 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _up(a: argparse.Namespace) -> int:
-    from .loader import up
+    from . import Dataplane
 
     pol = load_policy(a.policy)
-    r = up(pol, a.iface, a.netns, force=a.force, ingress=not a.no_ingress)
+    r = Dataplane(a.iface or pol.link.device, a.netns).up(pol, force=a.force,
+                                                          ingress=not a.no_ingress)
     how = "adopted" if r.adopted else "loaded"
     progs = ", ".join(f"{d} prog {i}" for d, i in r.prog_ids.items())
     print(f"{how} mmmesh on {r.iface}{' in netns ' + r.netns if r.netns else ''}: {progs}; "
@@ -63,18 +64,18 @@ def _up(a: argparse.Namespace) -> int:
 
 
 def _down(a: argparse.Namespace) -> int:
-    from .loader import down
+    from . import Dataplane
 
-    down(a.iface, a.netns)
+    Dataplane(a.iface, a.netns).down()
     print(f"mmmesh removed from {a.iface}")
     return 0
 
 
 def _status(a: argparse.Namespace) -> int:
-    from .loader import status
+    from . import Dataplane
 
     pol = load_policy(a.policy) if a.policy else None
-    st = status(a.iface, a.netns, pol)
+    st = Dataplane(a.iface, a.netns).status(pol).as_dict()
     if a.json:
         print(json.dumps(st, indent=2, sort_keys=True))
         return 0

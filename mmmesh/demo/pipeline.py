@@ -14,13 +14,15 @@ process inside its node's namespace, configured by the YAML files in
 and the ONNX models ``make_onnx.py`` builds (into a temporary directory).
 
 The sensors' uplink is shaped to ``rate`` with the mesh off (one HTB class
-and one FIFO: ``Netlink.apply_fifo``), then with the mesh on
-(``loader.up`` with examples/policy.yaml, its link set to ``up0`` at
+and one FIFO: ``netlab.Lab.apply_fifo``), then with the mesh on
+(``Dataplane.up`` with examples/policy.yaml, its link set to ``up0`` at
 ``rate``).  Per modality the result is the SLA attainment: the share of the
 frames the sensors produced that reached fusion on the core node within
 their deadline (audio 50 ms, video 200 ms, LiDAR 150 ms after capture).
 
-    python -m mmmesh.demo.pipeline [--rate 300mbit] [--duration 8] [--flood 0.5] [--json]
+    mmmesh demo --pipeline [--rate 300mbit] [--duration 8] [--flood 0.5] [--json]
+
+(the command line and the table are in ``pipeline_cli.py``).
 
 Needs root.  Namespaces are removed, and every process stopped, on exit,
 failure, Ctrl-C and SIGTERM.
@@ -28,7 +30,6 @@ failure, Ctrl-C and SIGTERM.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import os
@@ -41,7 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..dataplane._netlink import Netlink
+from ..dataplane import Dataplane, DataplaneStatus, handle
+from .netlab import Lab
 from .testbed import Child, Ctl, NetnsLab
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,16 +156,16 @@ class Topology(NetnsLab):
 
     def create(self) -> None:
         self._create_namespaces({})
-        with Netlink(self.sensors) as nl:
+        with Lab(self.sensors) as nl:
             nl.loopback_up()
             nl.add_veth(UPLINK, EDGE_IF, self.edge)
             nl.configure(UPLINK, f"{SENSORS_ADDR}/24")
-        with Netlink(self.edge) as nl:
+        with Lab(self.edge) as nl:
             nl.loopback_up()
             nl.configure(EDGE_IF, f"{EDGE_ADDR}/24")
             nl.add_veth(EDGE_CORE_IF, CORE_IF, self.core)
             nl.configure(EDGE_CORE_IF, f"{EDGE_CORE_ADDR}/24")
-        with Netlink(self.core) as nl:
+        with Lab(self.core) as nl:
             nl.loopback_up()
             nl.configure(CORE_IF, f"{CORE_ADDR}/24")
 
@@ -421,7 +423,8 @@ def run_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any],
             c.wait_ready(30.0)
         extra: dict[str, Child] = {}
         if flood:
-            from .traffic import TrafficSpec, flood_sender
+            from .streams import TrafficSpec
+            from .traffic import flood_sender
 
             fspec = TrafficSpec(link_bps=cfg.rate_bps, flood_factor=cfg.flood_factor)
             extra["flood_sink"] = topo.spawn(topo.edge, "flood-sink", flood_sink_child,
@@ -484,10 +487,10 @@ def _results_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 Progress = Callable[[str], None]
 
 
-def _class_counts(st: dict[str, Any]) -> dict[str, dict[str, int]]:
-    return {name: {"packets": int(c["egress_packets"]), "bytes": int(c["egress_bytes"]),
-                   "htb_drops": int(c.get("htb", {}).get("drops", 0))}
-            for name, c in st.get("classes", {}).items()}
+def _class_counts(st: DataplaneStatus) -> dict[str, dict[str, int]]:
+    return {c.name: {"packets": c.egress_packets, "bytes": c.egress_bytes,
+                     "htb_drops": c.htb.drops if c.htb else 0}
+            for c in st.classes}
 
 
 def run_pipeline(cfg: PipelineConfig, progress: Progress = lambda _m: None,
@@ -529,131 +532,31 @@ def run_pipeline(cfg: PipelineConfig, progress: Progress = lambda _m: None,
 
 def _one_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any], phase: str,
                policy: Any, progress: Progress) -> dict[str, Any]:
-    from ..dataplane import loader
-
     if phase == "none":
         return run_phase(topo, cfg, stage_cfgs)
     if phase == "off":
         topo.shape_uplink_fifo(cfg.rate_bps, cfg.fifo_limit)
         try:
             res = run_phase(topo, cfg, stage_cfgs)
-            res["htb"] = {f"{k >> 16:x}:{k & 0xFFFF:x}": {"packets": v.get("packets", 0),
-                                                          "drops": v.get("drops", 0)}
+            res["htb"] = {handle(k): {"packets": v.packets, "drops": v.drops}
                           for k, v in topo.htb_classes().items()}
             return res
         finally:
             topo.unshape()
     t = time.monotonic()
-    loader.up(policy, UPLINK, topo.sensors)
+    dp = Dataplane(UPLINK, topo.sensors)
+    dp.up(policy)
     try:
         progress(f"dataplane up on {UPLINK} in {time.monotonic() - t:.1f}s")
-        before = _class_counts(loader.status(UPLINK, topo.sensors, policy))
+        before = _class_counts(dp.status(policy))
         res = run_phase(topo, cfg, stage_cfgs)
-        after = _class_counts(loader.status(UPLINK, topo.sensors, policy))
+        after = _class_counts(dp.status(policy))
         res["classes"] = {n: {k: v - before.get(n, {}).get(k, 0) for k, v in a.items()}
                           for n, a in after.items()}
         return res
     finally:
-        loader.down(UPLINK, topo.sensors)
+        dp.down()
 
 
-def format_table(results: dict[str, Any]) -> str:
-    c = results["config"]
-    ph = results["phases"]
-    names = [p for p in ("off", "on", "none") if p in ph]
-    head = {"off": "mesh OFF", "on": "mesh ON", "none": "unshaped"}
-    lines = [(f"mmmesh pipeline demo: sensors uplink {c['rate']}, {c['duration']:g} s per phase, "
-             f"video flood {c['flood_factor']:g}x link"), ""]
-    h1 = f"{'modality':<8}{'deadline':>10}"
-    h2 = f"{'':<8}{'':>10}"
-    for p in names:
-        h1 += f" | {head[p]:^30}"
-        h2 += f" | {'SLA met':>9}{'p50 ms':>10}{'p99 ms':>11}"
-    lines += [h1, h2, "-" * len(h1)]
-    for m in MODALITIES:
-        row = f"{m:<8}{c['deadlines_ms'][m]:>8g}ms"
-        for p in names:
-            r = ph[p]["modalities"][m]
-            row += (f" | {r['sla_attainment_pct']:>8.1f}%{_ms(r['p50_ms']):>10}"
-                    f"{_ms(r['p99_ms']):>11}")
-        lines.append(row)
-    lines.append("")
-    for p in names:
-        r = ph[p]["results"]
-        fl = ph[p].get("flood")
-        lines.append(f"{head[p]}: decoder outputs {r['outputs']} (errors {r['errors']}), "
-                     f"capture->scores p50 {_ms(r['e2e_p50_ms'])} ms p99 "
-                     f"{_ms(r['e2e_p99_ms'])} ms" + (f"; flood {fl['mbit_s']:.0f} Mbit/s"
-                                                     if fl else ""))
-    cls = ph.get("on", {}).get("classes")
-    if cls:
-        lines.append("mesh ON, packets per class on the uplink: " + ", ".join(
-            f"{n} {v['packets']}" for n, v in cls.items() if v["packets"]))
-    return "\n".join(lines)
-
-
-def _ms(x: float) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x:.1f}"
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ._cli import _rate, _seconds
-
-    p.add_argument("--rate", type=_rate, default=_rate("300mbit"),
-                   help="the sensors' uplink rate, tc units (default 300mbit)")
-    p.add_argument("--duration", type=_seconds, default=8.0, metavar="SECONDS",
-                   help="seconds the sensors produce per phase (default 8)")
-    p.add_argument("--flood", type=float, default=0.5, metavar="FACTOR",
-                   help="background video flood (paced UDP) in x the uplink rate "
-                        "(default 0.5: with the sensors' ~153 Mbit/s it just overloads "
-                        "the uplink; 0: none)")
-    p.add_argument("--policy", default=None,
-                   help="policy YAML (default examples/policy.yaml); its link becomes the "
-                        "sensors' uplink at --rate")
-    p.add_argument("--out", default="out/demo",
-                   help="directory for pipeline.json (default out/demo)")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-
-
-def run_from_args(a: argparse.Namespace) -> int:
-    """Runs the demo from parsed arguments (those of :func:`add_arguments`; the
-    ``mmmesh demo`` parser's work too: a missing ``--flood`` means the default)."""
-    if os.geteuid() != 0:
-        print("mmmesh pipeline demo: needs root (network namespaces, qdiscs and BPF)",
-              file=sys.stderr)
-        return 1
-    from . import report
-
-    progress = report.Progress(enabled=not getattr(a, "quiet", False))
-    cfg = PipelineConfig(rate_bps=a.rate, duration=a.duration,
-                         flood_factor=getattr(a, "flood", PipelineConfig.flood_factor),
-                         policy_path=getattr(a, "policy", None))
-    try:
-        results = run_pipeline(cfg, progress)
-    except KeyboardInterrupt:
-        print("mmmesh pipeline demo: interrupted; namespaces and dataplane removed",
-              file=sys.stderr)
-        return 130
-    out = os.path.abspath(getattr(a, "out", "out/demo"))
-    path = report.write_json(os.path.join(out, "pipeline.json"), results)
-    progress(f"wrote {path}")
-    print(report.to_json(results) if getattr(a, "json", False) else format_table(results))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mmmesh.demo.pipeline",
-                                description=(__doc__ or "").splitlines()[0])
-    add_arguments(p)
-    return run_from_args(p.parse_args(argv))
-
-
-__all__ = ["PipelineConfig", "SourceSpec", "Topology", "add_arguments", "format_table",
-           "load_stage_configs", "main", "pipeline_policy", "run_from_args", "run_phase",
-           "run_pipeline"]
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["PipelineConfig", "SourceSpec", "Topology", "load_stage_configs", "pipeline_policy",
+           "run_phase", "run_pipeline"]

@@ -12,7 +12,7 @@ constructor.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Self
 
 import yaml
@@ -35,7 +35,7 @@ from .._abi import (
     MetaKind,
     Modality,
 )
-from .._errors import PolicyError
+from .._errors import PolicyError, field_path
 from ._types import (
     U32,
     U32_MAX,
@@ -418,21 +418,11 @@ def _cross_errors(p: Policy) -> list[tuple[str, str]]:
 # --------------------------------------------------------------------------
 # ValidationError -> PolicyError
 # --------------------------------------------------------------------------
-def _loc(parts: Sequence[int | str]) -> str:
-    out = ""
-    for part in parts:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
 def policy_error(exc: ValidationError) -> PolicyError:
     """The PolicyError that lists what ``exc`` found, one (field path, message) each."""
     errors: list[tuple[str, str]] = []
     for e in exc.errors():
-        loc = _loc(e["loc"])
+        loc = field_path(e["loc"])
         cause = (e.get("ctx") or {}).get("error")
         if isinstance(cause, PolicyError):
             errors.extend(

@@ -54,14 +54,10 @@ The modules, one role each:
 
 from __future__ import annotations
 
-# qosd/daemon.py imports _start, and tests SlaReport, from here: kept working
-from mmmesh.slareport import SlaReport as SlaReport
-
 from .app import API_VERSION, create_app, create_sla_app
 from .models import MAX_BODY_BYTES, MAX_YAML_BYTES
 from .openapi import openapi_document, openapi_text, write_openapi
 from .serve import ApiServer, bind_tcp, bind_uds, serve, serve_tcp, serve_uds
-from .serve import _start as _start
 
 __all__ = [
     "API_VERSION",

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mmmesh._errors import DataplaneError, MeshError, PolicyError
+from mmmesh._errors import DataplaneError, MeshError, PolicyError, field_path
 
 from ..errors import ConflictError, NotFoundError, StoreCorruptError, UnrealizableError
 from .models import MAX_BODY_BYTES
@@ -82,17 +82,6 @@ def _pairs(errors: Sequence[tuple[str, str]]) -> list[list[str]]:
     return [[str(loc), str(msg)] for loc, msg in errors]
 
 
-def _loc(parts: Sequence[Any]) -> str:
-    """``("body", "classes", 0, "rate")`` -> ``"body.classes[0].rate"``."""
-    out = ""
-    for part in parts:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
 async def _on_policy_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, PolicyError)
     return error_response(422, "invalid_policy", str(exc), errors=_pairs(exc.errors))
@@ -133,7 +122,7 @@ async def _on_invalid_request(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors: list[list[str]] = []
     for e in exc.errors():
-        loc = _loc(e.get("loc", ()))
+        loc = field_path(e.get("loc", ()))
         msg = str(e.get("msg", "invalid"))
         if e.get("type") == "extra_forbidden":
             msg = "unknown field"
