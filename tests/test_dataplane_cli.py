@@ -14,13 +14,13 @@ import pytest
 
 logging.getLogger("scapy.runtime").setLevel(logging.ERROR)
 
-from scapy.layers.inet import IP, TCP, UDP
-from scapy.layers.l2 import Ether
-from scapy.packet import Raw
-from scapy.utils import wrpcap
+from scapy.layers.inet import IP, TCP, UDP  # noqa: E402
+from scapy.layers.l2 import Ether  # noqa: E402
+from scapy.packet import Raw  # noqa: E402
+from scapy.utils import wrpcap  # noqa: E402
 
-from mmmesh.wire import Header, encode_header
-from tests.conftest import require_privileged
+from mmmesh.wire import Header, encode_header  # noqa: E402
+from tests.conftest import require_privileged  # noqa: E402
 
 pytestmark = pytest.mark.privileged
 ROOT = Path(__file__).resolve().parent.parent
