@@ -156,7 +156,7 @@ DEFAULT_MAX_FLOWS = 65536  # flow_map size (cflag MM_MAX_FLOWS)
 DEFAULT_MAX_SRC_RULES = 1024  # src_map size (cflag MM_MAX_SRC_RULES)
 DSCP_KEEP = 0xFF  # mm_class_info.dscp: leave the DSCP alone
 HTB_MAJOR = 1  # HTB root handle 1:, so class ids are 0x1XXXX
-NO_MODALITY = 0xFF  # cb[2] when no header was read
+NO_MODALITY = 0x100  # cb[2] when no header or flow gave one (outside the byte: 255 is real)
 
 # cb[] words written for every packet (read back by BPF_PROG_TEST_RUN)
 CB_REASON = 0  # primary reason

@@ -101,9 +101,8 @@ class Expect:
 
 def reported_modality(mod: int | None, reason: str) -> str | int | None:
     """A modality as ``classify`` reports it (docs/architecture.md): a name, the
-    number of an unknown one, None without header or flow; 255 is also cb's
-    no-modality marker and so reads as None for a malformed segment of a flow."""
-    if mod is None or (mod == _abi.NO_MODALITY and reason not in ("parsed", "flow_hit")):
+    number of an unknown one, None without header or flow."""
+    if mod is None:
         return None
     return _abi.Modality(mod).name.lower() if mod in _MODS else mod
 

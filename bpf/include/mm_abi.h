@@ -32,7 +32,7 @@
 #define MM_MAX_EXTHDRS 6
 #define MM_DSCP_KEEP 0xff
 #define MM_HTB_MAJOR 1
-#define MM_NO_MODALITY 0xff
+#define MM_NO_MODALITY 0x100
 #define MM_CB_REASON 0
 #define MM_CB_CLASS 1
 #define MM_CB_MODALITY 2

@@ -121,7 +121,8 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 	struct mm_stats *st;
 	struct mm_flow_info *fl = 0;
 	__u32 zero = 0, reason = MM_R_NOT_MESH, cid, d = dir;
-	__u8 flags = 0, modality = MM_NO_MODALITY;
+	__u8 flags = 0;
+	__u32 modality = MM_NO_MODALITY; /* a header's or flow's byte, or 0x100: none */
 	int hs = MM_HDR_NONE;
 
 	cfg = config_map.lookup(&zero);

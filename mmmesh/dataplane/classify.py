@@ -25,11 +25,6 @@ TC_ACT_OK = 0
 TC_ACT_NAMES = {0: "pass", 2: "drop", 7: "redirect", -1: "unspec"}
 
 
-# Reasons after which cb[] carries a real modality (the header's or the flow's):
-# there, 255 is that modality, not the NO_MODALITY marker.
-_MODALITY_IS_REAL = frozenset({"parsed", "flow_hit"})
-
-
 @dataclass(frozen=True)
 class Verdict:
     """What the program decided for one frame; the fields of ``classify --json``
@@ -58,10 +53,10 @@ class Verdict:
         return d
 
 
-def _modality(value: int, reason: str) -> str | int | None:
+def _modality(value: int) -> str | int | None:
     """cb's modality as ``classify`` reports it: like ``mmmesh wire decode``, the
     name of a known modality and the number of an unknown one."""
-    if value == _abi.NO_MODALITY and reason not in _MODALITY_IS_REAL:
+    if value == _abi.NO_MODALITY:
         return None
     try:
         return _abi.Modality(value).name.lower()
@@ -118,7 +113,7 @@ class Classifier:
             classid=f"{prio >> 16:x}:{prio & 0xFFFF:x}" if prio else None,
             class_id=cid,
             class_=self._names.get(cid),
-            modality=_modality(int(cb[_abi.CB_MODALITY]), reason),
+            modality=_modality(int(cb[_abi.CB_MODALITY])),
             reason=reason,
             clamped=bool(flags & _abi.CBF_CLAMPED),
             flow_learnt=bool(flags & _abi.CBF_FLOW_LEARNT),
