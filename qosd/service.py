@@ -19,6 +19,7 @@ from typing import Any
 
 from mmmesh import _abi
 from mmmesh._errors import MeshError
+from mmmesh._failpoints import failpoint
 from mmmesh.policy import Policy, parse_policy
 from mmmesh.slareport import SlaReport
 
@@ -128,6 +129,7 @@ class QosdService:
             except BaseException:
                 self._abandon(pv)
                 raise
+            failpoint("service.apply.reconciled")
             try:
                 pv = self.store.activate(pv, base_version=base_version)
             except BaseException:

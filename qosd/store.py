@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from mmmesh._errors import PolicyError
+from mmmesh._failpoints import failpoint
 from mmmesh.policy import Policy, parse_policy
 
 from .errors import ConflictError, NotFoundError, StoreCorruptError
@@ -266,6 +267,7 @@ class PolicyStore:
                 _atomic_write(path, _to_json(record))
             self._high = version  # the file is on disk: its number is taken
             self._pending[version] = pv
+            failpoint("store.prepare.written")
             return pv
 
     def activate(self, pv: PolicyVersion, *, base_version: int | None = None) -> PolicyVersion:
@@ -284,7 +286,9 @@ class PolicyStore:
             if pending is None or pending.sha256 != pv.sha256:
                 raise NotFoundError(f"policy version {pv.version} is not pending")
             self._write_current(pending)
+            failpoint("store.activate.current")
             self._promote(pv.version)
+            failpoint("store.activate.renamed")
             self._prune_locked()
             return self._versions[pv.version]
 

@@ -56,12 +56,16 @@ class Node:
     token: str
     proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, env: dict[str, str] | None = None, wait: bool = True) -> None:
+        """Starts qosd (``env``: extra environment, e.g. MMMESH_FAILPOINTS) and,
+        with ``wait``, returns once its admin API answers."""
         log = open(self.dir / "qosd.log", "ab")
         self.proc = subprocess.Popen(
             [str(VENV_BIN / "qosd"), "--config", str(self.cfg), "--log-level", "INFO"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})},
         )
+        if not wait:
+            return
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -309,7 +309,7 @@ def fusion(embedding: np.ndarray, header: Any = None) -> np.ndarray | None:
 
 
 class FusionRunner:
-    """A sidecar Runner (``sidecar.iface.Runner``) around :class:`Fusion`:
+    """A sidecar Runner (``sidecar.contract.Runner``) around :class:`Fusion`:
     it reads modality, stream id and sequence from each frame's header."""
 
     name = "fusion"

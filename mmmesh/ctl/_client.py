@@ -84,6 +84,15 @@ def _connection_classes() -> tuple[Callable[..., http.client.HTTPConnection], _H
     return UnixConnection, http.client.HTTPConnection, tls
 
 
+class RequestLost(Exception):
+    """The connection broke after the request was (or may have been) sent:
+    whether qosd acted on it is unknown (``request(..., may_be_lost=True)``)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass
 class Conn:
     """Where qosd is (the global options) and how to ask it."""
@@ -92,6 +101,7 @@ class Conn:
     server: str | None = None
     token: str | None = None
     timeout: float = 30.0
+    _lost_ok: bool = False
 
     @property
     def where(self) -> str:
@@ -128,6 +138,8 @@ class Conn:
 
     def _send(self, method: str, path: str, json_body: Any,
               params: dict[str, Any] | None) -> Response:
+        import http.client
+
         conn, prefix = self._connection()
         if params:
             from urllib.parse import urlencode
@@ -145,22 +157,33 @@ class Conn:
             conn.connect()  # within the connect timeout (--timeout, at most 5 s)
             conn.sock.settimeout(self.timeout)  # then up to --timeout for each read
             try:
-                conn.request(method, prefix + path, body=body, headers=headers)
-            except (BrokenPipeError, ConnectionResetError) as cut:
-                # A server may answer before it has read the whole body (a 401 for
-                # a large policy) and close: that answer, when there is one.
-                r = _early_answer(conn, cut)
-            else:
-                r = conn.getresponse()
-            return Response(r.status, r.read())
+                try:
+                    conn.request(method, prefix + path, body=body, headers=headers)
+                except (BrokenPipeError, ConnectionResetError) as cut:
+                    # A server may answer before it has read the whole body (a 401
+                    # for a large policy) and close: that answer, when there is one.
+                    r = _early_answer(conn, cut)
+                else:
+                    r = conn.getresponse()
+                return Response(r.status, r.read())
+            except (OSError, http.client.HTTPException) as e:
+                if self._lost_ok and not isinstance(e, TimeoutError):
+                    raise RequestLost(e.strerror if isinstance(e, OSError) and e.strerror
+                                      else str(e) or type(e).__name__) from e
+                raise
         finally:
             conn.close()
 
     def request(self, method: str, path: str, *, json_body: Any = None,
-                params: dict[str, Any] | None = None) -> Any:
-        """The JSON answer of a 2xx; anything else ends the program with its exit code."""
+                params: dict[str, Any] | None = None, may_be_lost: bool = False) -> Any:
+        """The JSON answer of a 2xx; anything else ends the program with its exit code.
+
+        With ``may_be_lost``, a connection that breaks once the request went
+        out raises :class:`RequestLost` instead (the caller finds out what
+        happened); not being able to connect at all still exits 5."""
         import http.client
 
+        self._lost_ok = may_be_lost
         if not self.server:
             try:
                 os.stat(self.socket)
@@ -189,6 +212,24 @@ class Conn:
                 return r.json()
             except ValueError:
                 fail(EXIT.OTHER, f"error: qosd sent a non-JSON answer ({r.status_code})")
+        _http_error(r)
+
+
+    def try_request(self, method: str, path: str, *, json_body: Any = None) -> Any | None:
+        """Like :meth:`request`, but None (quietly) when qosd cannot be reached
+        or the connection breaks; an HTTP error still exits with its code."""
+        import http.client
+
+        self._lost_ok = False
+        try:
+            r = self._send(method, path, json_body, None)
+        except (OSError, http.client.HTTPException):
+            return None
+        if r.is_success:
+            try:
+                return r.json()
+            except ValueError:
+                return None
         _http_error(r)
 
 

@@ -17,6 +17,7 @@ import time
 
 from .. import _abi
 from .._errors import DataplaneError
+from .._failpoints import failpoint
 from ..policy import Policy
 from . import _bpf, _pins
 from ._compile import compile_policy
@@ -91,10 +92,18 @@ class Dataplane:
                     log.warning("replacing the pinned dataplane at %s (other ABI or build, or "
                                 "incomplete)", self.pin_dir)
                 _pins.load_and_pin(self.pin_dir, tunables, build)
+            failpoint("dataplane.up.pinned")
+            # The order keeps every mix of old and new safe (a crash can stop
+            # it anywhere): the new classes exist before the maps point at
+            # them, the old ones go only after nothing points at them.
+            assert compiled.htb is not None
+            nl.add_htb(idx, compiled.htb, force=force)
+            failpoint("dataplane.up.htb_added")
             with Maps.open_pinned(self.pin_dir) as maps:
                 maps.write_policy(compiled)
-            assert compiled.htb is not None
-            nl.apply_htb(idx, compiled.htb, force=force)
+            failpoint("dataplane.up.maps_written")
+            nl.prune_htb(idx, compiled.htb)
+            failpoint("dataplane.up.htb_pruned")
             nl.ensure_clsact(idx)
             attached = nl.bpf_filters(idx)
             prog_ids: dict[str, int] = {}
@@ -110,6 +119,7 @@ class Dataplane:
                     prog_ids[direction] = pid
                 finally:
                     os.close(fd)
+            failpoint("dataplane.up.attached")
         return UpResult(self.iface, self.netns, state == "adopt", prog_ids, version)
 
     def down(self, *, unpin: bool = True) -> None:

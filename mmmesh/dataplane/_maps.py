@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from .. import _abi
+from .._failpoints import failpoint
 from ._bpf import Map, count_by_next_key, count_map_entries, obj_get
 from ._compile import CompiledPolicy
 from ._types import DirectionCounters, FlowCensus
@@ -67,6 +68,7 @@ class Maps:
         them (modalities, source rules, config), then removals."""
         for cid, info in cp.classes.items():
             self.classes.update(cid, info)
+        failpoint("maps.classes_written")
         for m in range(_abi.MAX_MODALITIES):
             want = cp.modalities.get(m)
             if want is not None:
@@ -81,6 +83,7 @@ class Maps:
         for k, v in cp.sources:
             self.sources.update(k, v)
         self.config.update(0, cp.config)
+        failpoint("maps.refs_written")
         for m in range(_abi.MAX_MODALITIES):
             if m not in cp.modalities:
                 cur = self.modalities.lookup(m)

@@ -22,7 +22,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from .._abi import HTB_MAJOR, MAX_CLASSES
 from .._errors import DataplaneError
-from ._types import HtbClassStats, HtbSpec
+from ._types import HtbClass, HtbClassStats, HtbSpec
 
 
 def _teach_pyroute2_bpf_ids() -> None:
@@ -233,24 +233,19 @@ class Netlink:
             raise _err(e, f"leaf qdisc of {classid:#x}") from e
 
     def apply_htb(self, idx: int, spec: HtbSpec, *, force: bool = False) -> None:
+        """Makes the HTB tree what ``spec`` says: :meth:`add_htb` then
+        :meth:`prune_htb` (a caller that writes maps in between uses the two)."""
+        self.add_htb(idx, spec, force=force)
+        self.prune_htb(idx, spec)
+
+    def add_htb(self, idx: int, spec: HtbSpec, *, force: bool = False) -> None:
+        """The root, the link class and every leaf of ``spec`` (created, or
+        changed where they differ; lowered rates before raised ones, so the
+        guarantees never add up to more than either policy's).  Classes that
+        are not in ``spec`` stay: maps may still point at them."""
         kind, handle = self.root_qdisc(idx)
         ours = kind == "htb" and handle == HTB_ROOT
-        if kind == "mq" and not force:
-            # mq with fq children is a configuration (e.g. a bandwidth manager's)
-            kids = {q.get_attr("TCA_KIND") for q in self.ipr.get_qdiscs(index=idx)
-                    if q["parent"] != 0xFFFFFFFF and (q["parent"] >> 16) == (handle >> 16)}
-            if not kids <= DEFAULT_MQ_CHILDREN:
-                raise DataplaneError(
-                    errno.EBUSY,
-                    f"device has an mq root with {', '.join(sorted(map(str, kids)))} queues "
-                    "that mmmesh did not create; remove them or pass --force",
-                )
-        if not ours and kind not in DEFAULT_ROOT_KINDS and not force:
-            raise DataplaneError(
-                errno.EBUSY,
-                f"device has a root qdisc {kind} {handle >> 16:x}: that mmmesh did not "
-                "create; remove it or pass --force",
-            )
+        self._check_root(idx, kind, handle, ours, force)
         try:
             if ours:
                 # sch_htb has no change op: the default class can only be set at
@@ -270,8 +265,12 @@ class Netlink:
                     "replace-class", "htb", idx, HTB_PARENT, parent=HTB_ROOT,
                     rate=_bit(spec.link_bps), ceil=_bit(spec.link_bps), prio=0,
                 )
-            want = {c.classid for c in spec.leaves}
-            for c in spec.leaves:
+
+            def lowered_first(c: HtbClass) -> tuple[bool, int]:
+                cur = have.get(c.classid)
+                return (cur is None or (cur.rate_Bps or 0) * 8 <= c.rate_bps, c.classid)
+
+            for c in sorted(spec.leaves, key=lowered_first):
                 cur = have.get(c.classid)
                 if (cur is None or cur.parent != HTB_PARENT
                         or not _same_rates(cur, c.rate_bps, c.ceil_bps)
@@ -283,11 +282,40 @@ class Netlink:
                     )
                 if c.classid not in leaves:
                     self._leaf_qdisc(idx, c.classid, spec.leaf_limit)
-            for classid, st in have.items():
+        except NetlinkError as e:
+            raise _err(e, "configure HTB") from e
+
+    def prune_htb(self, idx: int, spec: HtbSpec) -> None:
+        """Deletes our leaf classes that ``spec`` does not have."""
+        want = {c.classid for c in spec.leaves}
+        try:
+            for classid, st in self.htb_classes(idx).items():
                 if classid not in want and classid != HTB_PARENT and st.parent == HTB_PARENT:
                     self.ipr.tc("del-class", index=idx, handle=classid, parent=HTB_PARENT)
         except NetlinkError as e:
             raise _err(e, "configure HTB") from e
+
+    def _check_root(self, idx: int, kind: str | None, handle: int, ours: bool,
+                    force: bool) -> None:
+        """Refuses to replace a root qdisc somebody else configured."""
+        if ours or force:
+            return
+        if kind == "mq":
+            # mq with fq children is a configuration (e.g. a bandwidth manager's)
+            kids = {q.get_attr("TCA_KIND") for q in self.ipr.get_qdiscs(index=idx)
+                    if q["parent"] != 0xFFFFFFFF and (q["parent"] >> 16) == (handle >> 16)}
+            if not kids <= DEFAULT_MQ_CHILDREN:
+                raise DataplaneError(
+                    errno.EBUSY,
+                    f"device has an mq root with {', '.join(sorted(map(str, kids)))} queues "
+                    "that mmmesh did not create; remove them or pass --force",
+                )
+        if kind not in DEFAULT_ROOT_KINDS:
+            raise DataplaneError(
+                errno.EBUSY,
+                f"device has a root qdisc {kind} {handle >> 16:x}: that mmmesh did not "
+                "create; remove it or pass --force",
+            )
 
     def _leaf_parents(self, idx: int) -> set[int]:
         """Class ids that already have a leaf qdisc."""
