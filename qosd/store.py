@@ -87,7 +87,7 @@ CURRENT = "current.json"
 POLICIES = "policies"
 LOCK = ".lock"
 _VERSION_RE = re.compile(r"(\d{10,})\.json")
-_ASIDE_RE = re.compile(r"(\d{10,})\.json(?:\.\d+)?\.(?:corrupt|abandoned)")
+_ASIDE_RE = re.compile(r"(\d{10,})\.json(?:\.pending)?(?:\.\d+)?\.(?:corrupt|abandoned)")
 _PENDING_RE = re.compile(r"(\d{10,})\.json\.pending")
 _TEMP_RE = re.compile(r"\..+\.tmp")
 _MAX_VERSION = 10**18  # a claim above this is garbage, not a version anybody was given
@@ -171,6 +171,7 @@ class PolicyStore:
         self._lock = threading.RLock()
         self._versions: dict[int, PolicyVersion] = {}
         self._pending: dict[int, PolicyVersion] = {}
+        self._pending_stats: dict[int, _Stat] = {}
         self._stats: dict[int, _Stat] = {}
         self._current: int = 0
         self._high: int = 0  # highest version number ever seen
@@ -333,13 +334,13 @@ class PolicyStore:
             self._remove_temp_files(self.state_dir)
             names = os.listdir(self._policies)
         present: set[int] = set()
-        self._pending = {}
+        old_pending, self._pending = self._pending, {}
         for name in sorted(names):
             if m := _ASIDE_RE.fullmatch(name):
                 self._saw(int(m[1]))
             elif m := _PENDING_RE.fullmatch(name):
                 self._saw(int(m[1]))
-                self._load_pending(int(m[1]), self._policies / name)
+                self._load_pending(int(m[1]), self._policies / name, old_pending)
             elif m := _VERSION_RE.fullmatch(name):
                 number = int(m[1])
                 self._saw(number)
@@ -352,11 +353,17 @@ class PolicyStore:
         self._load_current()
         self._prune_locked()
 
-    def _load_pending(self, number: int, path: Path) -> None:
+    def _load_pending(self, number: int, path: Path, old: dict[int, PolicyVersion]) -> None:
+        """Loads (or keeps, when its file is unchanged) one pending version."""
         with self._io(path, "cannot read the pending policy version"):
+            st = _Stat.of(path.stat())
+            if self._pending_stats.get(number) == st and number in old:
+                self._pending[number] = old[number]
+                return
             raw = path.read_bytes()
         try:
             self._pending[number] = self._parse_version(number, raw)
+            self._pending_stats[number] = st
         except _Corrupt as e:
             self._set_aside(path, str(e))
 

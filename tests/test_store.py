@@ -227,6 +227,17 @@ def test_damaged_current_never_falls_back_to_a_pending_version(tmp_path: Path) -
     assert again.commit(variant(13)).version == 4
 
 
+def test_a_corrupt_pending_file_keeps_its_number(tmp_path: Path) -> None:
+    store = PolicyStore(tmp_path)
+    store.commit(variant(10))
+    pv = store.prepare(variant(11))
+    (tmp_path / "policies" / f"{pv.version:010d}.json.pending").write_text("{ half")
+    again = PolicyStore(tmp_path)
+    assert again.pending() == [] and len(again.problems) == 1
+    assert again.commit(variant(12)).version == 3  # 2 is not handed out again
+    assert PolicyStore(tmp_path).commit(variant(13)).version == 4
+
+
 def test_many_abandoned_versions_are_pruned(tmp_path: Path) -> None:
     store = PolicyStore(tmp_path, history_limit=3)
     store.commit(variant(10))
@@ -475,3 +486,92 @@ def test_permission_denied_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     with pytest.raises(StoreCorruptError, match="Permission denied") as ei:
         PolicyStore(tmp_path)
     assert ei.value.path.endswith("policies")
+
+
+# -- kill -9 of the writer -----------------------------------------------------
+def _write_until_killed(state: str, op: str, nth: int) -> None:
+    """Prepares, activates and abandons versions until the ``nth`` call of
+    ``op`` ("write": after half of the bytes of a file write; "fsync",
+    "replace": just before the call) kills the process with SIGKILL."""
+    import builtins
+    import signal
+
+    calls = 0
+
+    def hit() -> bool:
+        nonlocal calls
+        calls += 1
+        return calls >= nth
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if op in ("fsync", "replace"):
+        real = getattr(os, op)
+
+        def patched(*a: Any) -> Any:
+            if hit():
+                die()
+            return real(*a)
+
+        setattr(os, op, patched)
+    else:
+        real_fdopen = os.fdopen
+        real_open = builtins.open
+
+        class Half:
+            def __init__(self, f: Any) -> None:
+                self.f = f
+
+            def write(self, data: bytes) -> int:
+                if hit():
+                    self.f.write(data[: len(data) // 2])
+                    self.f.flush()
+                    die()
+                return int(self.f.write(data))
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.f, name)
+
+            def __enter__(self) -> Half:
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                self.f.close()
+
+        os.fdopen = lambda *a, **k: Half(real_fdopen(*a, **k))  # type: ignore[assignment]
+        builtins.open = lambda f, m="r", *a, **k: (  # type: ignore[assignment]
+            Half(real_open(f, m, *a, **k)) if "w" in m else real_open(f, m, *a, **k))
+    store = PolicyStore(state)
+    for left in store.pending():  # what a killed writer left (qosd does the same at start)
+        store.abandon(left)
+    for i in range(100):
+        pv = store.prepare(variant(20 + i))
+        if i % 3 == 2:
+            store.abandon(pv)
+        else:
+            store.activate(pv)
+
+
+@pytest.mark.parametrize("op", ["write", "fsync", "replace"])
+def test_kill_9_of_the_writer_never_leaves_a_partial_version(tmp_path: Path, op: str) -> None:
+    """The writer is killed with SIGKILL at its 1st, 2nd, ... 8th file write
+    (half written), fsync or rename while it prepares, activates and
+    abandons versions; every time, a fresh store opens with no problem
+    (nothing half-written to set aside), its current version is whole, the
+    versions only go up, and no temp file is left.  (Writing a file in place
+    — truncate and write, no rename — fails this.)"""
+    ctx = multiprocessing.get_context("fork")
+    last = PolicyStore(tmp_path).commit(variant(10)).version
+    for nth in range(1, 9):
+        proc = ctx.Process(target=_write_until_killed, args=(str(tmp_path), op, nth))
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == -9, (op, nth, proc.exitcode)
+        store = PolicyStore(tmp_path)
+        assert store.problems == [], (op, nth, store.problems)
+        cur = store.current()
+        assert cur is not None and cur.version >= last
+        assert cur.sha256 == hashlib.sha256(cur.text.encode()).hexdigest()
+        assert temp_files(tmp_path) == []
+        last = cur.version
