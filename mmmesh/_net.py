@@ -12,6 +12,7 @@ import contextlib
 import os
 import socket
 import stat
+from collections.abc import Callable
 
 __all__ = ["check_hostport", "listen_tcp", "listen_unix", "parse_hostport"]
 
@@ -58,12 +59,22 @@ def listen_tcp(host: str, port: int, *, backlog: int = LISTEN_BACKLOG,
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, socktype, proto, _, addr = infos[0]
     sock = socket.socket(family, socktype, proto)
-    try:
+
+    def setup() -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(addr)
+
+    return _listening(sock, setup, backlog, blocking)
+
+
+def _listening(sock: socket.socket, setup: Callable[[], None], backlog: int,
+               blocking: bool) -> socket.socket:
+    """``setup()`` (options, bind), then listen; the socket is closed on any error."""
+    try:
+        setup()
         sock.listen(backlog)
         sock.setblocking(blocking)
     except BaseException:
@@ -95,12 +106,9 @@ def listen_unix(path: str | os.PathLike[str], mode: int, *, backlog: int = LISTE
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
+
+    def setup() -> None:
         sock.bind(path)
         os.chmod(path, mode)  # nobody can connect before listen(): the mode is in place first
-        sock.listen(backlog)
-        sock.setblocking(blocking)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+
+    return _listening(sock, setup, backlog, blocking)

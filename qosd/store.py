@@ -137,6 +137,17 @@ class _Corrupt(Exception):
     """A state file failed its checks; the message says why."""
 
 
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object; _Corrupt saying why it is not one."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _Corrupt(f"not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise _Corrupt(f"not a JSON object but {type(obj).__name__}")
+    return obj
+
+
 @dataclass(frozen=True)
 class _Stat:
     """What identifies one on-disk state of a file (version files are never rewritten)."""
@@ -213,14 +224,8 @@ class PolicyStore:
             self._load_locked()
 
     # -- writing -----------------------------------------------------------
-    def commit(
-        self,
-        policy: Policy,
-        *,
-        base_version: int | None = None,
-        author: str | None = None,
-        note: str | None = None,
-    ) -> PolicyVersion:
+    def commit(self, policy: Policy, *, base_version: int | None = None,
+               author: str | None = None, note: str | None = None) -> PolicyVersion:
         """Store ``policy`` as a new version and make it current (prepare +
         activate).
 
@@ -387,12 +392,7 @@ class PolicyStore:
 
     @staticmethod
     def _parse_version(number: int, raw: bytes) -> PolicyVersion:
-        try:
-            obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise _Corrupt(f"not valid JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise _Corrupt(f"not a JSON object but {type(obj).__name__}")
+        obj = _json_object(raw)
         version, text, sha = obj.get("version"), obj.get("policy_yaml"), obj.get("sha256")
         created_at, author, note = obj.get("created_at"), obj.get("author"), obj.get("note")
         if not _is_int(version) or version != number:
@@ -449,12 +449,7 @@ class PolicyStore:
             self._fall_back(None)
 
     def _check_current(self, raw: bytes) -> int:
-        try:
-            obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise _Corrupt(f"not valid JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise _Corrupt(f"not a JSON object but {type(obj).__name__}")
+        obj = _json_object(raw)
         version, sha = obj.get("version"), obj.get("sha256")
         if not _is_int(version) or version < 1:
             raise _Corrupt(f"version is not a positive integer: {version!r}")

@@ -8,6 +8,7 @@ pyroute2 (no ``ip``/``tc`` processes).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 from typing import Any
 
@@ -60,31 +61,29 @@ def enter_netns(name: str) -> None:
         raise DataplaneError(e.errno or errno.EIO, f"enter netns {name}: {e}") from e
 
 
-class Lab:
+def _iproute(ns: str | None) -> IPRoute:
+    try:
+        return IPRoute(netns=ns) if ns else IPRoute()
+    except (OSError, NetlinkError) as e:
+        raise DataplaneError(errno.ENOENT, f"netns {ns!r}: {e}") from e
+
+
+class Lab(contextlib.AbstractContextManager["Lab"]):
     """A netlink session in one namespace (None = the current one) for
-    building testbeds."""
+    building testbeds; ``with Lab(ns) as lab:`` closes it afterwards."""
 
     def __init__(self, ns: str | None = None) -> None:
         self.ns = ns
-        try:
-            self.ipr = IPRoute(netns=ns) if ns else IPRoute()
-        except (OSError, NetlinkError) as e:
-            raise DataplaneError(errno.ENOENT, f"netns {ns!r}: {e}") from e
-
-    def close(self) -> None:
-        self.ipr.close()
-
-    def __enter__(self) -> Lab:
-        return self
+        self.ipr = _iproute(ns)
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.ipr.close()
 
     def ifindex(self, ifname: str) -> int:
-        idx = self.ipr.link_lookup(ifname=ifname)
-        if not idx:
-            raise DataplaneError(errno.ENODEV, f"no device {ifname!r} in netns {self.ns}")
-        return int(idx[0])
+        found = self.ipr.link_lookup(ifname=ifname)
+        if found:
+            return int(found[0])
+        raise DataplaneError(errno.ENODEV, f"no device {ifname!r} in netns {self.ns}")
 
     def add_veth(self, name: str, peer: str, peer_ns: str | None = None) -> None:
         peer_spec: dict[str, Any] = {"ifname": peer}
