@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian 12 / Ubuntu 22.04+ machine, run as root.
-# Installs: Debian packages (bcc, iproute2, iperf3, venv), kernel headers for the
+# Installs: Debian packages (bcc, iproute2, iperf3, venv, systemd: the unit test
+# runs systemd-analyze and systemd itself), kernel headers for the
 # running kernel or the documented fallback (docs/operations.md), bpffs, and the
 # virtualenv at .venv (sees Debian's bcc) with mmmesh installed in it.
 set -euo pipefail
@@ -11,7 +12,7 @@ log() { printf '[bootstrap] %s\n' "$*" >&2; }
 . "$ROOT/scripts/as-root.sh" "$0" "$@"
 
 export DEBIAN_FRONTEND=noninteractive
-PKGS=(python3-bpfcc python3-venv python3-dev iproute2 iperf3 libbpf1 ca-certificates)
+PKGS=(python3-bpfcc python3-venv python3-dev iproute2 iperf3 libbpf1 ca-certificates systemd)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
