@@ -3,8 +3,9 @@
 Items are keyed: queueing an item under a key already queued replaces the old
 one and starts again from zero transmissions (newer news about the same thing
 makes the old news pointless).  ``take`` fills a byte budget with the items
-sent fewest times so far, newest first among equals, skipping items that do
-not fit; each item taken counts one transmission, and an item is dropped after
+sent fewest times so far (among those sent equally often, the one that got
+there last first: for unsent items, the newest), skipping items that do not
+fit; each item taken counts one transmission, and an item is dropped after
 ``limit`` of them.  The membership core calls ``take`` for every packet it
 sends (pings, acks, gossip) with ``limit = retransmit_mult x ceil(log10(N +
 1))`` (``Config.retransmit_limit``), so each member forwards each item about
@@ -131,7 +132,7 @@ class BroadcastQueue(Generic[T]):
         for t, items in moved:
             if t == len(tiers):
                 tiers.append([])
-            tiers[t].extend(items)
+            tiers[t].extend(reversed(items))  # keep their relative order
         return out, budget - room
 
     def _prune(self) -> None:

@@ -150,9 +150,16 @@ class Membership:
     def broadcast(self, key: str, payload: bytes) -> int:
         """Gossip ``payload`` to every member under ``key``; returns its sequence
         number.  A later broadcast under the same key replaces this one
-        (here and at every receiver, which deliver it once as ``AppMessage``)."""
+        (here and at every receiver, which deliver it once as ``AppMessage``).
+        The message must fit one packet (``packet_budget``), else ClusterError:
+        bulk state belongs in ``set_app_state`` (push-pull)."""
+        msg = AppBroadcast(self.node_id, key, self._app_seq + 1, payload)
+        if self._header + msg.wire > self.config.packet_budget:
+            raise ClusterError(
+                f"broadcast {key!r} is {msg.wire} bytes; a packet holds "
+                f"{self.config.packet_budget - self._header}"
+            )
         self._app_seq += 1
-        msg = AppBroadcast(self.node_id, key, self._app_seq, payload)
         self._queue.push(f"a/{self.node_id}/{key}", msg, msg.wire)
         return self._app_seq
 
@@ -180,7 +187,8 @@ class Membership:
         if not self._leaving:
             self._leaving = True
             self._join_pending = False
-            self._join_retry_at = _NEVER
+            self._join_retry_at = self._next_push_pull = self._next_reconnect = _NEVER
+            self._prober.next_probe_at = _NEVER  # the probe under way ends; no new one
             me = self._me
             me.state, me.since = State.LEFT, now
             self._push(Leave(self.node_id, me.incarnation))

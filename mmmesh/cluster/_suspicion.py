@@ -22,7 +22,7 @@ import math
 
 def suspicion_timeout(n: int, k: int, min_s: float, max_s: float) -> float:
     """Total timeout (from the start) after n of k confirmations."""
-    if k < 1:
+    if k < 1 or n >= k:
         return min_s
     frac = math.log(n + 1.0) / math.log(k + 1.0)
     raw = max_s - frac * (max_s - min_s)
