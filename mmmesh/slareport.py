@@ -6,8 +6,12 @@ them).
 A report names a stage and carries, per (SLA class, modality), one window:
 frame counts, deadline misses, attainment, latency quantiles and optionally a
 mergeable DDSketch of the end-to-end latency (``mmmesh/slasketch.py``).
-Every number is bounded (``MAX_COUNT``, ``MAX_MS``, ``MAX_WINDOW_S``): a
-report outside the bounds is refused with 422 naming the field.
+Every number is bounded (``MAX_COUNT``, ``MAX_MS``, ``MAX_WINDOW_S``, and in
+a sketch its keys and counts, ``mmmesh.slasketch.parse_sketch``): a report
+outside the bounds is refused with 422 naming the field.  A sketch is
+re-encoded when the report is validated (``sketch_e2e`` of the model is the
+canonical form: unknown protobuf fields are gone), so what qosd keeps is
+bounded by the sketch's bins, never by what was sent.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ MAX_MS = 86_400_000.0  # a latency of a day is not a measurement
 MAX_WINDOW_S = 86_400.0
 MAX_NAME = 64
 MAX_REPORTS = 256  # (class, modality) windows in one report
-MAX_SKETCH_B64 = 1 << 20
+# Room for every bin of +-MAX_ABS_KEY (mmmesh/slasketch.py) in either protobuf
+# layout (packed: ~44 KiB of base64; one map entry per bin: ~77 KiB).
+MAX_SKETCH_B64 = 128 * 1024
 
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
@@ -73,7 +79,9 @@ class SlaWindow(BaseModel):
     sketch_e2e: str | None = Field(default=None, max_length=MAX_SKETCH_B64,
                                    description="base64 DDSketch protobuf (mergeable): 1 % "
                                                "relative accuracy, logarithmic mapping, "
-                                               "values in ms >= 0")
+                                               "values in ms >= 0, keys within +-2048, "
+                                               "counts at most 10^12 in all; kept in "
+                                               "canonical form (unknown fields dropped)")
 
     @model_validator(mode="after")
     def _misses_within_frames(self) -> SlaWindow:
@@ -84,15 +92,16 @@ class SlaWindow(BaseModel):
 
 
 class SlaClassReport(SlaWindow):
-    """A window as reported: its sketch must be one qosd can merge."""
+    """A window as reported: its sketch must be one qosd can merge, and is
+    replaced by its canonical encoding."""
 
     @field_validator("sketch_e2e")
     @classmethod
     def _mergeable(cls, v: str | None) -> str | None:
         if v is not None:
-            from mmmesh.slasketch import validate_sketch
+            from mmmesh.slasketch import parse_sketch
 
-            validate_sketch(v)  # ValueError -> 422 naming the field (qosd decodes it later)
+            return parse_sketch(v).encode()  # ValueError -> 422 naming the field
         return v
 
 
@@ -118,10 +127,18 @@ class SlaAccepted(BaseModel):
 
 
 class SlaEntry(SlaWindow):
-    """A window qosd kept (its sketch was checked when reported)."""
+    """A window qosd kept (its sketch was checked and made canonical when
+    reported)."""
 
     stage: str
-    instance: str | None
+    instance: str | None = Field(description="which sidecar: the identity qosd derived from "
+                                             "the sender's credentials (pod:<uid>/<container>, "
+                                             "unit:<name>, uid:<n>:<cgroup>); for root and the "
+                                             "admin socket, the instance the report names")
+    sender: str | None = Field(default=None, description="the sender's identity (admin: the "
+                                                         "admin socket)")
+    label: str | None = Field(default=None, description="the instance name the report gave "
+                                                        "(a label only)")
     node: str | None = None
     received_at: float = Field(description="unix seconds")
     stale: bool = Field(default=False, description="not refreshed for 3 of its windows "
@@ -154,7 +171,10 @@ class SlaView(BaseModel):
                                                   "modality), as the sidecars reported it")
     stages: list[SlaMerged] = Field(description="per (stage, class, modality), replicas merged")
     classes: list[SlaMerged] = Field(description="per (class, modality), node-wide")
+    skipped: int = Field(default=0, description="kept windows left out of this view because "
+                                                "they could not be read (counted and logged; "
+                                                "never a failed read)")
 
 
 def empty_view() -> dict[str, Any]:
-    return {"instances": [], "stages": [], "classes": []}
+    return {"instances": [], "stages": [], "classes": [], "skipped": 0}

@@ -22,6 +22,9 @@ from pydantic_settings import (
 
 from mmmesh._net import parse_hostport
 
+from .reporters import DEFAULT_REPORTERS, ReporterRule
+from .slaquota import SlaLimits
+
 DEFAULT_CONFIG = Path("/etc/mmmesh/qosd.yaml")
 
 
@@ -45,6 +48,14 @@ class QosdConfig(BaseSettings):
     sla_socket: Path | None = Field(
         default=Path("/run/mmmesh/sla.sock"),
         description="report-only socket for sidecars (POST /v1/sla only, mode 0666)")
+    sla_reporters: list[ReporterRule] = Field(
+        default_factory=lambda: list(DEFAULT_REPORTERS),
+        description="who may report which stages on sla_socket (qosd/reporters.py); default: "
+                    "root any, units mmmesh-sidecar@<stage>.service their own, pods any")
+    sla_limits: SlaLimits = Field(
+        default_factory=SlaLimits,
+        description="per-sender, per-uid and board-wide bounds of the SLA board "
+                    "(qosd/slaquota.py)")
     api_tcp: str | None = Field(default=None,
                                 description="host:port for the admin API over TCP (token needed)")
     api_token: str | None = Field(default=None, description="bearer token for the TCP API")

@@ -14,7 +14,7 @@ thread (``run_in_threadpool``).  Which endpoint calls which method:
     POST /v1/policy/rollback                  rollback()
     GET  /v1/status                           status()
     GET  /v1/flows/top                        top_flows()
-    POST /v1/sla                              report_sla()   (admin socket and sla.sock)
+    POST /v1/sla                              sla_sender() (sla.sock only), report_sla()
     GET  /v1/sla                              sla()
     GET  /healthz, /readyz                    healthy(), ready()
 
@@ -32,6 +32,8 @@ from typing import Any, Protocol
 
 from mmmesh.policy import Policy
 from mmmesh.slareport import SlaReport
+
+from .identity import ADMIN, Peer, Sender
 
 
 @dataclass(frozen=True)
@@ -100,13 +102,21 @@ class Service(Protocol):
         "started_at": float, "adopted": bool}"""
         ...
     def top_flows(self, n: int = 20) -> list[FlowRow]: ...
-    def report_sla(self, report: SlaReport) -> int:
-        """Keeps a sidecar's windows (the validated body of ``POST /v1/sla``);
-        returns how many (class, modality) entries were taken."""
+    def sla_sender(self, peer: Peer) -> Sender:
+        """Who is sending on sla.sock (qosd/identity.py), from the connection's
+        credentials.  Raises qosd.identity.ReportRefused (403) for a sender
+        that may report nothing; called before the body is validated.  (The
+        admin socket's sender is qosd.identity.ADMIN.)"""
         ...
-    def sla(self) -> dict[str, list[dict[str, Any]]]:
-        """{"instances", "stages", "classes"}: a mmmesh.slareport.SlaView
-        (qosd/slaboard.py), the body of ``GET /v1/sla``."""
+    def report_sla(self, report: SlaReport, sender: Sender = ADMIN) -> int:
+        """Keeps a sender's windows (the validated body of ``POST /v1/sla``);
+        returns how many (class, modality) windows were kept.  Raises
+        ReportRefused: 403 (that stage is not the sender's), 429 (rate or
+        quota)."""
+        ...
+    def sla(self) -> dict[str, Any]:
+        """{"instances", "stages", "classes", "skipped"}: a
+        mmmesh.slareport.SlaView (qosd/slaboard.py), the body of ``GET /v1/sla``."""
         ...
     def healthy(self) -> bool: ...  # process is alive and serving
     def ready(self) -> bool: ...  # dataplane loaded and a policy reconciled

@@ -25,6 +25,7 @@ from mmmesh.slareport import SlaReport
 
 from .config import QosdConfig
 from .errors import StoreCorruptError
+from .identity import ADMIN, Peer, ReportRefused, Sender, SenderResolver
 from .model import FlowRow, PolicyVersion, ReconcileResult
 from .reconciler import Reconciler
 from .slaboard import SlaBoard
@@ -43,7 +44,8 @@ class QosdService:
         self._write_lock = threading.Lock()
         self._flow_prev: dict[tuple[Any, ...], tuple[int, float]] = {}
         self._flow_lock = threading.Lock()
-        self.sla_board = SlaBoard()
+        self.sla_senders = SenderResolver()
+        self.sla_board = SlaBoard(cfg.sla_limits, cfg.sla_reporters)
 
     # ---------------------------------------------------------- startup
     def start(self) -> ReconcileResult | None:
@@ -222,11 +224,22 @@ class QosdService:
         return rows[: max(0, n)]
 
     # -------------------------------------------------------------- SLA
-    def report_sla(self, report: SlaReport) -> int:
-        return self.sla_board.report(report)
+    def sla_sender(self, peer: Peer) -> Sender:
+        """The sender behind sla.sock credentials, if it may report at all
+        (qosd/identity.py, qosd/reporters.py; ReportRefused 403 otherwise)."""
+        try:
+            sender = self.sla_senders.resolve(peer)
+        except ReportRefused as e:
+            self.sla_board.refused(e.code)
+            raise
+        self.sla_board.admit(sender)
+        return sender
 
-    def sla(self) -> dict[str, list[dict[str, Any]]]:
-        """{"instances", "stages", "classes"}: qosd/slaboard.py."""
+    def report_sla(self, report: SlaReport, sender: Sender = ADMIN) -> int:
+        return self.sla_board.report(report, sender)
+
+    def sla(self) -> dict[str, Any]:
+        """{"instances", "stages", "classes", "skipped"}: qosd/slaboard.py."""
         return self.sla_board.view()
 
     def healthy(self) -> bool:

@@ -25,6 +25,7 @@ from mmmesh._errors import DataplaneError
 from mmmesh.policy import Policy, parse_policy
 from mmmesh.slareport import SlaReport
 from qosd.errors import UnrealizableError
+from qosd.identity import ADMIN, Peer, Sender, SenderResolver
 from qosd.model import FlowRow, PolicyVersion, ReconcileResult, Service
 from qosd.slaboard import SlaBoard
 from qosd.store import PolicyStore
@@ -152,13 +153,19 @@ class StoreService:
         self._enter("top_flows")
         return sorted(self.flows, key=lambda r: r.rate_bps, reverse=True)[:n]
 
-    def report_sla(self, report: SlaReport) -> int:
+    def sla_sender(self, peer: Peer) -> Sender:
+        self._enter("sla_sender")
+        sender = SenderResolver().resolve(peer)  # the real /proc
+        self.sla_board.admit(sender)
+        return sender
+
+    def report_sla(self, report: SlaReport, sender: Sender = ADMIN) -> int:
         self._enter("report_sla")
         assert isinstance(report, SlaReport), type(report)  # the validated model, not a dict
         self.sla_reports.append(report)
-        return self.sla_board.report(report)
+        return self.sla_board.report(report, sender)
 
-    def sla(self) -> dict[str, list[dict[str, Any]]]:
+    def sla(self) -> dict[str, Any]:
         self._enter("sla")
         return self.sla_board.view()
 
@@ -173,6 +180,25 @@ class StoreService:
 
 def as_service(obj: Service) -> Service:  # mypy: StoreService fits the protocol
     return obj
+
+
+def with_peer(app: Any, pid: int | None = None, uid: int | None = None,
+              gid: int | None = None) -> Any:
+    """``app`` seen through a transport that read these SO_PEERCRED
+    credentials (default: this process's): what qosd's unix-socket server puts
+    in every request's scope (qosd/identity.py)."""
+    import os
+
+    peer = {"pid": os.getpid() if pid is None else pid, "uid": os.getuid() if uid is None else uid,
+            "gid": os.getgid() if gid is None else gid}
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope = {**scope, "extensions": {**(scope.get("extensions") or {}),
+                                             "mmmesh.peer": dict(peer)}}
+        await app(scope, receive, send)
+
+    return wrapped
 
 
 def put(client: TestClient, text: str, base: int | None = None, **kw: Any) -> httpx.Response:

@@ -23,7 +23,16 @@ with warnings.catch_warnings():  # starlette's "install httpx2" notice
 from qosd import api
 from qosd.api.openapi import main as openapi_main
 
-from .qosd_fake import POLICY_A, POLICY_B, ROOT, TOKEN, StoreService, as_service, put
+from .qosd_fake import (
+    POLICY_A,
+    POLICY_B,
+    ROOT,
+    TOKEN,
+    StoreService,
+    as_service,
+    put,
+    with_peer,
+)
 
 OPENAPI = ROOT / "docs" / "api" / "openapi.json"
 
@@ -229,11 +238,15 @@ def test_sla_report_route_is_one(service: StoreService) -> None:
     assert set(admin["responses"]) - set(sla["responses"]) == {"401", "500"}
     admin["responses"] = {k: v for k, v in admin["responses"].items() if k not in ("401", "500")}
     assert admin == sla
-    assert sla["operationId"] == "post_sla" and set(sla["responses"]) == {"200", "413", "422"}
+    assert sla["operationId"] == "post_sla"
+    assert set(sla["responses"]) == {"200", "403", "413", "422", "429"}
 
 
 def test_sla_app_takes_reports_and_nothing_else(service: StoreService) -> None:
-    c = TestClient(api.create_sla_app(as_service(service)))
+    app = api.create_sla_app(as_service(service))
+    r = TestClient(app).post("/v1/sla", json=SLA_BODY)  # no peer credentials: who is it?
+    assert r.status_code == 403 and r.json()["error"] == "no_peer_credentials"
+    c = TestClient(with_peer(app))  # as qosd's unix-socket server gives them (root here)
     r = c.post("/v1/sla", json=SLA_BODY)
     assert (r.status_code, r.json()) == (200, {"accepted": 1})
     [got] = service.sla_reports  # the validated model reached the service

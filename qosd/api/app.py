@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Query
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from mmmesh.slareport import SlaAccepted, SlaReport, SlaView
 
 from ..errors import NotFoundError
+from ..identity import ADMIN, ReportRefused, Sender, peer_of
 from ..model import Service
 from .errors import (
     E401,
@@ -31,7 +32,9 @@ from .errors import (
     E503,
     REQUEST_HANDLERS,
     SERVICE_HANDLERS,
+    ErrorBody,
     Responses,
+    error_response,
     install_handlers,
 )
 from .guard import Guard, documents_bearer
@@ -57,14 +60,49 @@ log = logging.getLogger(__name__)
 API_VERSION = "1"
 
 
-def _add_sla_report(router: APIRouter, service: Service) -> None:
-    """Adds ``POST /sla`` (a sidecar's report) to ``router``: the one handler of
-    it, for the admin API and the report-only socket alike."""
+E403: Responses = {403: {"model": ErrorBody, "description": "this sender may not report (that "
+                          "stage); the message says why (sla_reporters in qosd.yaml)"}}
+E429: Responses = {429: {"model": ErrorBody, "description": "rate or quota of this sender "
+                          "(sla_limits); Retry-After says when to try again"}}
 
-    @router.post("/sla", response_model=SlaAccepted, responses={**E413, **E422},
+
+async def _on_report_refused(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ReportRefused)
+    headers = None
+    if exc.retry_after is not None:
+        headers = {"retry-after": str(max(1, round(exc.retry_after)))}
+    extra: dict[str, Any] = {}
+    if exc.status == 422:  # "reports[0].frames: ..." (the API's own 422s name body.<field>)
+        where, sep, why = str(exc).partition(": ")
+        extra["errors"] = [[f"body.{where}" if sep else "body", why or where]]
+    return error_response(exc.status, exc.code, str(exc), headers=headers, **extra)
+
+
+def _add_sla_report(router: APIRouter, service: Service, *, trusted: bool) -> None:
+    """Adds ``POST /sla`` (a sidecar's report) to ``router``: the one handler of
+    it, for the admin API (``trusted``: the sender is the admin socket) and the
+    report-only socket (the sender comes from the connection's credentials,
+    which the transport puts in the scope; none: 403).  The sender is known,
+    and refused when it may report nothing, before the body is validated.
+    The app needs :data:`SLA_HANDLERS` installed."""
+
+    async def sender(request: Request) -> Sender:
+        if trusted:
+            return ADMIN
+        peer = peer_of(request.scope)
+        if peer is None:
+            raise ReportRefused(403, "no_peer_credentials", "this connection carries no peer "
+                                "credentials: reports are taken on qosd's unix socket only")
+        return await run_in_threadpool(service.sla_sender, peer)
+
+    @router.post("/sla", response_model=SlaAccepted, responses={**E403, **E413, **E422, **E429},
                  summary="a sidecar's SLA measurements for its last window", tags=["sla"])
-    async def post_sla(body: SlaReport) -> SlaAccepted:
-        return SlaAccepted(accepted=await run_in_threadpool(service.report_sla, body))
+    async def post_sla(body: SlaReport, who: Sender = Depends(sender)) -> SlaAccepted:  # noqa: B008
+        # (a default, not Annotated: a local function cannot be named in a string annotation)
+        return SlaAccepted(accepted=await run_in_threadpool(service.report_sla, body, who))
+
+
+SLA_HANDLERS = [(ReportRefused, _on_report_refused)]
 
 
 def _policy_routes(v1: APIRouter, service: Service) -> None:
@@ -137,7 +175,7 @@ def _status_routes(v1: APIRouter, service: Service) -> None:
         rows = await run_in_threadpool(service.top_flows, n)
         return TopFlows(flows=[Flow.of(r) for r in rows])
 
-    _add_sla_report(v1, service)
+    _add_sla_report(v1, service, trusted=True)
 
     @v1.get("/sla", response_model=SlaView, summary="latest SLA windows: per sidecar, per stage "
             "(replicas merged), per class (node-wide)",
@@ -193,7 +231,7 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     _status_routes(v1, service)
     app.include_router(v1)
     _health_routes(app, service)
-    install_handlers(app, [*SERVICE_HANDLERS, *REQUEST_HANDLERS])
+    install_handlers(app, [*SLA_HANDLERS, *SERVICE_HANDLERS, *REQUEST_HANDLERS])
     app.add_middleware(Guard, token=token)
     return app
 
@@ -209,13 +247,13 @@ def create_sla_app(service: Service) -> FastAPI:
                   generate_unique_id_function=lambda route: route.name,
                   docs_url=None, redoc_url=None)
     v1 = APIRouter(prefix="/v1")
-    _add_sla_report(v1, service)
+    _add_sla_report(v1, service, trusted=False)
     app.include_router(v1)
 
     @app.get("/healthz", response_model=Health, tags=["health"])
     async def healthz() -> Health:
         return Health(ok=True)
 
-    install_handlers(app, REQUEST_HANDLERS)
+    install_handlers(app, [*SLA_HANDLERS, *REQUEST_HANDLERS])
     app.add_middleware(Guard, token=None)
     return app
