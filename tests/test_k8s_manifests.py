@@ -193,6 +193,7 @@ def test_qosd_daemonset_is_privileged_on_the_host_network(qosd: Any) -> None:
     assert ds["spec"]["selector"]["matchLabels"].items() <= \
         ds["spec"]["template"]["metadata"]["labels"].items()
     assert spec["hostNetwork"] is True
+    assert spec["hostPID"] is True  # report senders are identified by host pid + cgroup
     assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert {"operator": "Exists"} in spec["tolerations"]  # every node
     (c,) = spec["containers"]
