@@ -5,9 +5,13 @@
 
 Start-up: read the config, open the policy store, adopt the pinned dataplane
 (or load it) for the current policy version, then serve the admin API on a
-unix socket (0600) and optionally on TCP (bearer token), and Prometheus
-metrics.  Every ``resync_interval_s`` the reconciler repairs drift.  Stopping
-qosd leaves the dataplane running: the next qosd adopts it."""
+unix socket (0600) and optionally on TCP (bearer token), the report socket
+(0666) and Prometheus metrics, each listener with its own connection cap
+(qosd/api/serve.py).  Every ``resync_interval_s`` the reconciler repairs
+drift.  Log lines at WARNING and above are limited to one per call site per
+10 s (qosd/logs.py).  Under systemd, a thread pings the watchdog while the
+event loop proves it runs (:class:`Watchdog`).  Stopping qosd leaves the
+dataplane running: the next qosd adopts it."""
 
 from __future__ import annotations
 
@@ -18,12 +22,16 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mmmesh._errors import MeshError
+from mmmesh._net import parse_hostport
 
 from .config import QosdConfig, load_config
+from .logs import RateLimitFilter, install_rate_limit
 
 log = logging.getLogger("qosd")
 
@@ -45,11 +53,104 @@ def sd_notify(state: str) -> bool:
         return False
 
 
-async def run(cfg: QosdConfig) -> int:
+class Watchdog:
+    """systemd's watchdog, pinged from a thread only while the event loop runs.
+
+    The loop proves it runs by :meth:`heartbeat` (a task that beats every
+    ``beat_s``); the thread pings ``WATCHDOG=1`` every ``interval_s`` when the
+    last beat is at most ``stale_s`` old.  A loop that is busy (a flood of
+    connections) still beats, so the pings go on; a wedged loop stops
+    beating, the pings stop, and systemd restarts qosd ``WatchdogSec`` after
+    the last ping: at most ``stale_s + WatchdogSec`` after the loop's last beat.
+    """
+
+    def __init__(self, interval_s: float, *, beat_s: float = 1.0, stale_s: float | None = None,
+                 notify: Callable[[str], object] = sd_notify,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if interval_s <= 0:
+            raise ValueError("interval_s must be > 0")
+        self.interval_s = interval_s
+        self.beat_s = min(beat_s, interval_s / 2)
+        self.stale_s = stale_s if stale_s is not None else max(interval_s, 2 * self.beat_s)
+        self._notify, self._clock = notify, clock
+        self._last_beat = clock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.pings = 0
+        self.skipped = 0
+
+    @classmethod
+    def from_env(cls) -> Watchdog | None:
+        """Pings at half of ``WATCHDOG_USEC`` (systemd's WatchdogSec), or None without it."""
+        usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
+        pid = os.environ.get("WATCHDOG_PID")
+        if usec <= 0 or (pid and pid != str(os.getpid())):
+            return None
+        return cls(usec / 2e6)
+
+    def alive(self) -> bool:
+        """Has the loop beaten within ``stale_s``?"""
+        return self._clock() - self._last_beat <= self.stale_s
+
+    async def heartbeat(self) -> None:
+        """The loop's side: beats until cancelled."""
+        while True:
+            self._last_beat = self._clock()
+            await asyncio.sleep(self.beat_s)
+
+    def start(self) -> None:
+        self._last_beat = self._clock()
+        self._thread = threading.Thread(target=self._run, name="qosd-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            if self.alive():
+                self.pings += 1
+                self._notify("WATCHDOG=1")
+            else:
+                self.skipped += 1
+                log.error("the event loop has not run for %.1f s: not pinging the watchdog",
+                          self._clock() - self._last_beat)
+            if self._stop.wait(self.interval_s):
+                return
+
+
+def metrics_app(registry: Any) -> Any:
+    """Prometheus's text exposition of ``registry`` as an ASGI app (any path,
+    like prometheus_client's own server); collected in a worker thread, since
+    reading the BPF maps must not hold up the event loop."""
+    from prometheus_client.exposition import choose_encoder
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        accept = b",".join(v for k, v in scope["headers"] if k == b"accept").decode("latin-1")
+        encoder, content_type = choose_encoder(accept)
+        body = await asyncio.to_thread(encoder, registry)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", content_type.encode()),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int:
+    """Runs qosd until SIGTERM/SIGINT (``log_filter``: flushed every interval)."""
     from starlette.concurrency import run_in_threadpool
 
-    from .api import create_app, create_sla_app, serve, serve_uds
-    from .metrics import Target, make_registry, serve_metrics
+    from .api import create_app, create_sla_app, serve, serve_tcp, serve_uds
+    from .api.serve import (
+        ADMIN_MAX_CONNECTIONS,
+        METRICS_MAX_CONNECTIONS,
+        SLA_MAX_CONNECTIONS,
+        ApiServer,
+    )
+    from .metrics import Target, make_registry
     from .service import QosdService
 
     service_box: dict[str, Any] = {}
@@ -79,7 +180,12 @@ async def run(cfg: QosdConfig) -> int:
                  "adopted" if svc.reconciler.adopted else "loaded", res.version,
                  (time.monotonic() - t0) * 1000)
 
-    metrics_server = serve_metrics(registry, cfg.metrics_addr) if cfg.metrics_addr else None
+    servers: list[ApiServer] = []
+    if cfg.metrics_addr:
+        host, port = parse_hostport(cfg.metrics_addr, default_host="0.0.0.0",
+                                    what="metrics address")
+        servers.append(await serve_tcp(metrics_app(registry), host, port,
+                                       max_connections=METRICS_MAX_CONNECTIONS))
     tcp, app_tcp = cfg.api_tcp, None
     if tcp:
         token = cfg.token()
@@ -88,10 +194,12 @@ async def run(cfg: QosdConfig) -> int:
         else:
             log.error("api_tcp is set but no api_token/api_token_file: TCP API not started")
             tcp = None
-    servers = await serve(create_app(svc), uds=str(cfg.api_socket), tcp=tcp, app_tcp=app_tcp)
+    servers += await serve(create_app(svc), uds=str(cfg.api_socket), tcp=tcp, app_tcp=app_tcp,
+                           max_connections=ADMIN_MAX_CONNECTIONS)
     if cfg.sla_socket is not None:
         # model pods report here; they cannot reach the policy endpoints
-        servers.append(await serve_uds(create_sla_app(svc), cfg.sla_socket, mode=0o666))
+        servers.append(await serve_uds(create_sla_app(svc), cfg.sla_socket, mode=0o666,
+                                       max_connections=SLA_MAX_CONNECTIONS))
         log.info("SLA reports on unix:%s", cfg.sla_socket)
     log.info("admin API on unix:%s%s", cfg.api_socket,
              f" and tcp:{tcp} (bearer token required)" if tcp else "")
@@ -120,28 +228,27 @@ async def run(cfg: QosdConfig) -> int:
             except Exception as e:  # keep the loop alive, report
                 log.error("resync failed: %s", e)
 
-    async def watchdog_loop() -> None:
-        usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
-        if usec <= 0:
-            return
-        while not stop.is_set():
-            sd_notify("WATCHDOG=1")
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=usec / 2e6)
-            except asyncio.TimeoutError:
-                pass
+    async def flush_logs() -> None:
+        while log_filter is not None:
+            await asyncio.sleep(log_filter.limiter.interval_s)
+            log_filter.flush()
 
-    tasks = [asyncio.create_task(resync_loop()), asyncio.create_task(watchdog_loop())]
+    tasks = [asyncio.create_task(resync_loop())]
+    background = [asyncio.create_task(flush_logs())]
+    watchdog = Watchdog.from_env()
+    if watchdog is not None:
+        background.append(asyncio.create_task(watchdog.heartbeat()))
+        watchdog.start()
     await stop.wait()
     log.info("stopping (the dataplane stays; the next qosd adopts it)")
     sd_notify("STOPPING=1")
     await asyncio.gather(*(srv.stop_async() for srv in servers), *tasks,
                          return_exceptions=True)
-    if metrics_server is not None:
-        try:
-            metrics_server.shutdown()
-        except Exception:  # pragma: no cover
-            pass
+    if watchdog is not None:
+        watchdog.stop()
+    for t in background:
+        t.cancel()
+    await asyncio.gather(*background, return_exceptions=True)
     return 0
 
 
@@ -184,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if a.cleanup:
         return cleanup(cfg)
+    log_filter = install_rate_limit()  # one line per call site per 10 s, with a count
     try:
-        return asyncio.run(run(cfg))
+        return asyncio.run(run(cfg, log_filter))
     except KeyboardInterrupt:
         return 130
 

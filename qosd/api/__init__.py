@@ -49,7 +49,10 @@ The modules, one role each:
     guard.py    the ASGI layer: bearer token, body size limit, last-resort 500
     app.py      the two apps and their routes
     openapi.py  the OpenAPI document and ``python -m qosd.api``
-    serve.py    uvicorn on listening sockets (unix, TCP)
+    serve.py    qosd's HTTP/1.1 server on listening sockets (unix, TCP): a connection
+                cap per listener, graceful stop
+    http11.py   one connection of it: h11, deadlines, size limits, and on unix sockets
+                the client's SO_PEERCRED in ``scope["extensions"]["mmmesh.peer"]``
 """
 
 from __future__ import annotations
