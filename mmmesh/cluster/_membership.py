@@ -208,7 +208,10 @@ class Membership:
         for addr, node, msgs in pending:
             out.append(self._packet(addr, node, msgs))
         if now >= self._next_gossip:
-            self._next_gossip = max(self._next_gossip + self.config.gossip_interval_s, now)
+            interval = self.config.gossip_interval_s
+            self._next_gossip += interval
+            if self._next_gossip <= now:  # the host ticked late: skip missed rounds
+                self._next_gossip = now + interval
             self._gossip(now, out)
         if not self._leaving:
             if now >= self._next_push_pull:
@@ -224,6 +227,8 @@ class Membership:
         self._start(now)
         self.stats.packets_received += 1
         self.stats.bytes_received += packet.size
+        if not packet.sender or not packet.sender_addr or packet.sender == self.node_id:
+            return []  # nobody to answer (or our own packet looped back)
         entries = self._table.entries
         me = self.node_id
         pending: Pending = []
@@ -356,6 +361,8 @@ class Membership:
             return
         state = update_state(msg)
         inc = msg.incarnation
+        if inc < 0 or (isinstance(msg, Alive) and not msg.addr):
+            return  # malformed
         table = self._table
         entry = table.entries.get(node)
         if entry is None:
@@ -442,7 +449,7 @@ class Membership:
         self._prober.on_nack(msg)
 
     def _on_ping_req(self, msg: PingReq, packet: Packet, now: float, out: Pending) -> None:
-        if not self._leaving:
+        if not self._leaving and msg.target_addr and msg.target != self.node_id:
             relayed: list[Out] = []
             self._prober.on_ping_req(msg, packet.sender, packet.sender_addr, now, relayed)
             out.extend(relayed)
@@ -480,4 +487,8 @@ class Membership:
         elif msg.join and self._join_pending:
             self._join_pending = False
             self._join_retry_at = _NEVER
+            # the first periodic push-pull, now that the cluster size is known: members
+            # that joined together must not all exchange state within the same 30 s
+            n = self._table.size()
+            self._next_push_pull = now + self._rng.random() * self.config.push_pull_s(n)
             self._events.append(Joined(packet.sender, self._table.live + 1))

@@ -130,7 +130,7 @@ class MemberTable:
                 entry.in_ring = False
         self.ring = keep
         for entry in list(self.entries.values()):
-            if entry.in_ring or entry is self.me:
+            if entry.in_ring or entry is self.me or entry.state <= State.SUSPECT:
                 continue
             limit = cfg.left_retention_s if entry.state == State.LEFT else cfg.reconnect_timeout_s
             if now - entry.since > limit:
