@@ -59,7 +59,7 @@ __all__ = [
     "sender_of_cgroup",
 ]
 
-PEER_EXTENSION = "mmmesh.peer"
+PEER_EXTENSION = "mmmesh.peer"  # the ASGI scope key the API server (qosd/api/http11.py) fills
 MAX_PROC_READ = 64 * 1024  # /proc/<pid>/cgroup and status are far smaller
 
 

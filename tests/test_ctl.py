@@ -1,4 +1,4 @@
-"""mmmeshctl against a real uvicorn server (unix socket, or TCP with a token)
+"""mmmeshctl against a real qosd API server (unix socket, or TCP with a token)
 serving qosd's API over the in-test StoreService of tests/test_api.py."""
 
 from __future__ import annotations

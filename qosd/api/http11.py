@@ -50,6 +50,7 @@ from urllib.parse import unquote
 
 import h11
 
+from ..identity import PEER_EXTENSION  # the scope key; its value is a Peer
 from ..logs import RateLimitedLog
 
 __all__ = ["PEER_EXTENSION", "Connection", "Limits", "Peer", "read_peer"]
@@ -60,7 +61,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-PEER_EXTENSION = "mmmesh.peer"  # the scope extension's key; its value is a Peer
 READ_CHUNK = 64 * 1024
 LINGER_S = 1.0  # after refusing a TCP request: read what the client still sends, then close
 LINGER_BYTES = 256 * 1024
