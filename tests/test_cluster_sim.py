@@ -114,7 +114,7 @@ def test_indirect_probes_keep_a_member_alive_when_the_direct_path_fails() -> Non
 
 def test_local_trouble_slows_probing_down() -> None:
     """A member that hears nothing (no acks, no nacks) raises its health score to
-    the maximum and probes (and accuses) 8x less often."""
+    the maximum and probes (and accuses) up to 8x less often."""
     n = 8
     sim, _ = cluster(n)
     sim.link = lambda i, j, _: j != 0  # nothing reaches node 0
@@ -124,7 +124,7 @@ def test_local_trouble_slows_probing_down() -> None:
     probes1 = sim.nodes[1].stats.probes - before[1]
     assert sim.nodes[0].health_score == CFG.awareness_max_multiplier - 1
     assert sim.nodes[1].health_score == 0
-    assert probes1 >= 35 and probes0 <= 14
+    assert probes1 >= 35 and probes0 <= 10
 
 
 def test_a_partition_heals_to_all_alive() -> None:
