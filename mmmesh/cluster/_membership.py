@@ -6,7 +6,7 @@ also tick on a fixed period, e.g. every 10 ms, at the cost of timer error up to
 that period), ``handle(packet, now)`` for every packet that arrives, and sends
 each returned ``Send``.  ``now`` is any monotonic clock in seconds; all
 randomness comes from the ``random.Random`` given.  The core never blocks and
-never raises on a peer's input.
+never raises on a peer's input; it is not thread-safe (one caller at a time).
 
 What each timer does is documented in ``docs/cluster.md``; the rules for
 applying news are in ``_rules``, the probe cycle in ``_probe``, suspicion

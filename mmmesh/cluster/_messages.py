@@ -144,9 +144,7 @@ class Alive(_Sized):
 
 
 @dataclass(frozen=True, slots=True)
-class Suspect(_Sized):
-    """``accuser`` could not reach ``node`` (at ``incarnation``)."""
-
+class _Accusation(_Sized):
     node: str
     incarnation: int
     accuser: str
@@ -156,15 +154,13 @@ class Suspect(_Sized):
 
 
 @dataclass(frozen=True, slots=True)
-class Dead(_Sized):
+class Suspect(_Accusation):
+    """``accuser`` could not reach ``node`` (at ``incarnation``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Dead(_Accusation):
     """``accuser``'s suspicion timer for ``node`` ran out."""
-
-    node: str
-    incarnation: int
-    accuser: str
-
-    def body_size(self) -> int:
-        return _str(self.node) + _int(self.incarnation) + _str(self.accuser)
 
 
 @dataclass(frozen=True, slots=True)
