@@ -413,3 +413,24 @@ def test_any_input_keeps_the_core_consistent(script: list[tuple[int, list[Messag
         assert all(e.node != "n0" and e.addr for e in m._table.ring)
         assert m.member("n0").state == State.ALIVE  # type: ignore[union-attr]
         assert m.next_deadline() > now
+
+
+def test_a_fixed_10ms_tick_works_like_ticking_at_the_deadlines() -> None:
+    """A host that ticks on a period instead of sleeping until next_deadline()
+    gets the same protocol: one probe per interval, answered, nobody suspected."""
+    a, b = node(0), node(1)
+    know(a, 1)
+    know(b, 0)
+    peers = {a.addr: a, b.addr: b}
+    pings = 0
+    for step in range(1000):  # 10 s
+        now = step * 0.01
+        for m in (a, b):
+            for send in m.tick(now):
+                pings += m is a and bool(msgs_of([send], Ping))
+                for reply in peers[send.to].handle(send.packet, now + 0.001):
+                    peers[reply.to].handle(reply.packet, now + 0.002)
+    assert 9 <= pings <= 11
+    for m, other in ((a, 1), (b, 0)):
+        assert state(m, other) == (State.ALIVE, 0)
+        assert m.health_score == 0 and m.stats.probe_failures == 0 and m.incarnation == 0
