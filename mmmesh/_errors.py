@@ -3,8 +3,10 @@
     MeshError                      root; catch this to catch everything of ours
     ├── WireError(ValueError)      malformed MMH bytes: .offset, .reason
     ├── PolicyError(ValueError)    invalid policy, refused whole: .errors [(field, message)]
-    └── DataplaneError(OSError)    kernel side failed (BPF load, map op, netlink)
-        └── NotSupportedError      the kernel or machine lacks something we need
+    ├── DataplaneError(OSError)    kernel side failed (BPF load, map op, netlink)
+    │   └── NotSupportedError      the kernel or machine lacks something we need
+    └── ClusterError(ValueError)   a mesh membership config or input the core refuses
+                                   (mmmesh/cluster/_config.py)
 """
 
 from __future__ import annotations
