@@ -230,6 +230,9 @@ exec env -i container=mmmesh-test SYSTEMD_UNIT_PATH="$D/units" \
 DROPIN = """[Service]
 ExecStart=
 ExecStart={qosd} --config /etc/mmmesh/qosd.yaml
+# the unit expects /opt/mmmesh; a checkout may be anywhere, under /tmp
+# (PrivateTmp) or /root (ProtectHome) too: show it to the sandbox read-only
+BindReadOnlyPaths={repo}
 StandardOutput=append:{log}
 StandardError=inherit
 # stricter than the unit: a system call outside the filter kills qosd
@@ -250,7 +253,7 @@ class ContainedSystemd:
         (units / "qosd.service.d").mkdir(parents=True)
         shutil.copy(UNIT, units / "qosd.service")
         (units / "qosd.service.d" / "test.conf").write_text(
-            DROPIN.format(qosd=VENV_BIN / "qosd", log=d / "qosd.log"))
+            DROPIN.format(qosd=VENV_BIN / "qosd", log=d / "qosd.log", repo=ROOT))
         for t in ("sysinit", "basic", "shutdown", "network-online", "multi-user"):
             (units / f"{t}.target").write_text(f"[Unit]\nDescription={t}\nDefaultDependencies=no\n")
         (units / "mmmesh-test.target").write_text(
