@@ -150,7 +150,7 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
         SLA_MAX_CONNECTIONS,
         ApiServer,
     )
-    from .metrics import Target, make_registry
+    from .metrics import SlaBoardCollector, Target, make_registry
     from .service import QosdService
 
     service_box: dict[str, Any] = {}
@@ -163,8 +163,10 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
         return [Target(iface=cur.policy.link.device, netns=cfg.netns,
                        class_names={c.id: c.name for c in cur.policy.classes})]
 
-    registry, qmetrics = make_registry(targets)
+    registry, qmetrics = make_registry(targets, node=cfg.node_name,
+                                       resync_interval_s=cfg.resync_interval_s)
     svc = QosdService(cfg, metrics=qmetrics)
+    registry.register(SlaBoardCollector(svc.sla_board))
     service_box["svc"] = svc
     for problem in svc.store.problems:
         log.error("policy store: %s", problem)
@@ -225,6 +227,8 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
                 return
             try:
                 await run_in_threadpool(svc.resync)
+                if qmetrics is not None:
+                    qmetrics.resync_ran()  # the heartbeat, drift or not
             except Exception as e:  # keep the loop alive, report
                 log.error("resync failed: %s", e)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian 12 / Ubuntu 22.04+ machine, run as root.
 # Installs: Debian packages (bcc, iproute2, iperf3, venv, systemd: the unit test
-# runs systemd-analyze and systemd itself), kernel headers for the
+# runs systemd-analyze and systemd itself; prometheus: promtool and a real
+# scraper for the metrics and dashboard tests), kernel headers for the
 # running kernel or the documented fallback (docs/operations.md), bpffs, and the
 # virtualenv at .venv (sees Debian's bcc) with mmmesh installed in it.
 set -euo pipefail
@@ -12,7 +13,8 @@ log() { printf '[bootstrap] %s\n' "$*" >&2; }
 . "$ROOT/scripts/as-root.sh" "$0" "$@"
 
 export DEBIAN_FRONTEND=noninteractive
-PKGS=(python3-bpfcc python3-venv python3-dev iproute2 iperf3 libbpf1 ca-certificates systemd)
+PKGS=(python3-bpfcc python3-venv python3-dev iproute2 iperf3 libbpf1 ca-certificates systemd
+      prometheus)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -26,6 +28,14 @@ if [ "${#missing[@]}" -gt 0 ]; then
   log "installing Debian packages: ${missing[*]}"
   apt_install "${missing[@]}" >/dev/null
 fi
+# The tests run prometheus as a plain binary with a config of their own; the
+# package enables a system service (and its node exporter): not wanted here.
+for unit in prometheus.service prometheus-node-exporter.service; do
+  if systemctl is-enabled "$unit" >/dev/null 2>&1; then
+    systemctl disable --now "$unit" >/dev/null 2>&1 || true
+    log "disabled $unit"
+  fi
+done
 
 # --- kernel headers -------------------------------------------------------
 # bcc compiles at load time against /lib/modules/$(uname -r)/build. Never

@@ -250,12 +250,42 @@ def test_qosd_config_and_policy_come_from_the_configmap(qosd: Any) -> None:
     table = {cl.name: (str(cl.rate), cl.weight) for cl in policy.classes}
     assert table["video"] == ("150mbit", 7) and table["lidar"] == ("80mbit", 5)
     assert table["voice"] == ("1.2mbit", 3)
-    # metrics on the node's address, on the declared port
+    # metrics on the declared port (the address: test_qosd_metrics_bind_to_the_node_ip_only)
     port = int(str(qcfg.metrics_addr).rpartition(":")[2])
     assert {"name": "metrics", "containerPort": port, "hostPort": port, "protocol": "TCP"} \
         in c["ports"]
     env = {e["name"]: e for e in c["env"]}
     assert env["MMMESH_QOSD_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+def test_qosd_metrics_bind_to_the_node_ip_only(qosd: Any, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unauthenticated metrics endpoint listens on the node's IP (downward
+    API), never on every address; the file alone would keep it on loopback."""
+    from qosd.config import QosdConfig
+
+    ds = qosd[("DaemonSet", "qosd")]
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    text = qosd[("ConfigMap", "qosd-config")]["data"]["qosd.yaml"]
+    assert str(QosdConfig.model_validate(yaml.safe_load(text)).metrics_addr) \
+        .startswith("127.0.0.1:")
+    names = [e["name"] for e in c["env"]]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    addr = env["MMMESH_QOSD_METRICS_ADDR"]["value"]
+    # $(VAR) expands only variables defined earlier in the list
+    assert names.index("NODE_IP") < names.index("MMMESH_QOSD_METRICS_ADDR")
+    host, _, port = addr.rpartition(":")
+    assert host == "$(NODE_IP)"
+    assert {"name": "metrics", "containerPort": int(port), "hostPort": int(port),
+            "protocol": "TCP"} in c["ports"]
+    assert not any("0.0.0.0" in str(e.get("value", "")) for e in c["env"])
+    # what qosd makes of the ConfigMap's file and the expanded variable
+    cfg_file = tmp_path / "qosd.yaml"
+    cfg_file.write_text(text)
+    monkeypatch.setenv("MMMESH_QOSD_CONFIG", str(cfg_file))
+    monkeypatch.setenv("MMMESH_QOSD_METRICS_ADDR", addr.replace("$(NODE_IP)", "10.0.3.7"))
+    assert QosdConfig().metrics_addr == f"10.0.3.7:{port}"
 
 
 def test_qosd_probes_and_limits(qosd: Any) -> None:

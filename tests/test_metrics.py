@@ -1,12 +1,15 @@
-"""qosd's Prometheus metrics (qosd/metrics.py) and the Grafana dashboard.
+"""qosd's Prometheus metrics (qosd/metrics/).
 
 Privileged part: a veth pair between two fresh namespaces, the dataplane up
 on one end, real MMH voice frames (UDP), non-mesh frames and one MMH video TCP
 stream sent through it; a scrape must show them in the classifier counters,
-the HTB class counters, the reason counters and the flow table.  A target with
-no dataplane scrapes as ``mmmesh_dataplane_up 0``.  The rest (qosd's own
-metrics, the HTTP exporter on loopback, the dashboard's metric names) runs
-unprivileged."""
+the HTB class counters, the reason counters and the flow table; the reasons
+must partition the packets (their sum is the class counters' sum and the
+device's own count of what it sent); promtool must find nothing to lint.  A
+target with no dataplane scrapes as ``mmmesh_dataplane_up 0``.  The rest
+(the collectors over a fake dataplane and a real SLA board, qosd's own
+metrics, the HTTP exporter on loopback) runs unprivileged.  The dashboard
+and the alert rules are tests/test_prometheus_scrape.py's."""
 
 from __future__ import annotations
 
@@ -28,21 +31,29 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmmesh.policy import load_policy, parse_policy
-from qosd.model import ReconcileResult
 from qosd.metrics import (
+    CLASSIFIER_EVENTS,
     DATAPLANE_METRICS,
+    PARTITION_REASONS,
+    PROCESS_METRICS,
     QOSD_METRICS,
+    SLA_METRICS,
     QosdMetrics,
     Target,
     exported_names,
     make_registry,
     serve_metrics,
 )
+from qosd.model import ReconcileResult
 from tests.conftest import require_privileged, veth_pair
+from tests.metrics_support import (
+    FakeDataplane,
+    board_with,
+    fake_dataplanes,
+    promtool_check_metrics,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-DASHBOARD = ROOT / "docs" / "grafana" / "mmmesh-dashboard.json"
-FUTURE_METRICS = {"mmmesh_stage_latency_seconds"}  # sidecar histogram, documented in the panel
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -152,7 +163,11 @@ def test_scrape_shows_real_traffic(dataplane: dict[str, Any]) -> None:
     assert value(s, "mmmesh_classifier_packets_total", **eg, reason="parsed") >= 41
     assert value(s, "mmmesh_classifier_packets_total", **eg, reason="not_mesh") >= 10
     assert value(s, "mmmesh_classifier_packets_total", **eg, reason="malformed") == 0
-    assert value(s, "mmmesh_classifier_packets_total", **eg, reason="flow_new") >= 1
+    assert value(s, "mmmesh_classifier_events_total", **eg, event="flow_new") >= 1
+    assert value(s, "mmmesh_classifier_events_total", **eg, event="dscp_rewrite") >= 40
+    for fam, label, want in (("mmmesh_classifier_packets_total", "reason", PARTITION_REASONS),
+                             ("mmmesh_classifier_events_total", "event", CLASSIFIER_EVENTS)):
+        assert {dict(lab)[label] for n, lab in s if n == fam} == set(want), fam
     assert value(s, "mmmesh_classifier_packets_total", iface="a0", direction="ingress",
                  reason="parsed") is not None
     # every policy class has its series even at 0, HTB too; no drops at 500 mbit
@@ -171,6 +186,53 @@ def test_scrape_shows_real_traffic(dataplane: dict[str, Any]) -> None:
     assert value(s, "mmmesh_flows_capacity", iface="a0") == 65536
     # the list of exported names is the truth
     assert {n for n in DATAPLANE_METRICS} <= names_in(s)
+
+
+def _netns_tx_packets(ns: str, dev: str) -> int:
+    out = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show", dev], check=True,
+                         capture_output=True, text=True).stdout
+    return int(json.loads(out)[0]["stats64"]["tx"]["packets"])
+
+
+def _egress_sums(s: Samples) -> tuple[float, float]:
+    """(sum over reason, sum over class) of a0's egress counters."""
+    def total(name: str) -> float:
+        return sum(v for (n, lab), v in s.items() if n == name
+                   and ("iface", "a0") in lab and ("direction", "egress") in lab)
+    return total("mmmesh_classifier_packets_total"), \
+        total("mmmesh_classifier_class_packets_total")
+
+
+def test_reasons_partition_the_packets(dataplane: dict[str, Any]) -> None:
+    """The sum over ``reason`` is every packet the classifier saw: it equals
+    the sum over classes and, for what is sent meanwhile, the device's own
+    count of packets it sent (nothing is dropped at 500 mbit)."""
+    ns = dataplane["ns"]
+    registry, _ = make_registry([Target("a0", ns, dataplane["names"])], process=False)
+    before, tx0 = scrape(registry), _netns_tx_packets(ns, "a0")
+    by_reason0, by_class0 = _egress_sums(before)
+    assert by_reason0 == by_class0 > 0
+    send = ("import socket\nu = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            "for i in range(25):\n    u.sendto(b'x' * 100, ('10.77.0.2', 7001))\n")
+    subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", send], check=True,
+                   timeout=30)
+    after, tx1 = scrape(registry), _netns_tx_packets(ns, "a0")
+    by_reason1, by_class1 = _egress_sums(after)
+    assert by_reason1 == by_class1
+    assert by_reason1 - by_reason0 == tx1 - tx0 >= 25
+    # the events are not in it: counting them too would double-count
+    events = sum(v for (n, lab), v in after.items() if n == "mmmesh_classifier_events_total"
+                 and ("direction", "egress") in lab)
+    assert events > 0
+
+
+def test_real_scrape_passes_promtool(dataplane: dict[str, Any]) -> None:
+    registry, qm = make_registry([Target("a0", dataplane["ns"], dataplane["names"])],
+                                 sla_board=board_with(0.9), node="n1", resync_interval_s=10)
+    assert qm is not None
+    qm.observe_reconcile(ReconcileResult(ok=True, version=7, started_at=time.time(),
+                                         duration_s=0.05, trigger="startup"))
+    promtool_check_metrics(generate_latest(registry).decode())
 
 
 def test_flow_table_count_in_many_batches(dataplane: dict[str, Any]) -> None:
@@ -253,16 +315,115 @@ def test_no_dataplane_unprivileged_is_down_not_an_error() -> None:
 
 
 # --------------------------------------------------------------------------
+# the collectors over a fake dataplane and a real SLA board (unprivileged)
+# --------------------------------------------------------------------------
+def test_fake_dataplane_reasons_events_and_htb() -> None:
+    targets, opener = fake_dataplanes(FakeDataplane("eth0", version=3, flows=1000),
+                                      FakeDataplane("eth1", up=False))
+    registry, _ = make_registry(targets, dataplane=opener, process=False)
+    s = scrape(registry)
+    eg = {"iface": "eth0", "direction": "egress"}
+    reasons = {dict(lab)["reason"]: v for (n, lab), v in s.items()
+               if n == "mmmesh_classifier_packets_total" and ("iface", "eth0") in lab
+               and ("direction", "egress") in lab}
+    classes = sum(v for (n, lab), v in s.items()
+                  if n == "mmmesh_classifier_class_packets_total" and ("direction", "egress") in lab)
+    assert set(reasons) == set(PARTITION_REASONS) and sum(reasons.values()) == classes == 500
+    assert value(s, "mmmesh_classifier_events_total", **eg, event="clamped") == 10
+    assert value(s, "mmmesh_dataplane_policy_version", iface="eth0") == 3
+    assert value(s, "mmmesh_class_flows", iface="eth0", **{"class": "video"}) == 500
+    assert value(s, "mmmesh_htb_class_drops_total", iface="eth0", **{"class": "video"}) == 2
+    assert not any(dict(lab).get("class") == "64" for _, lab in s)  # no 1:40 parent
+    assert value(s, "mmmesh_dataplane_up", iface="eth1") == 0
+    assert not any(("iface", "eth1") in lab for n, lab in s if n != "mmmesh_dataplane_up")
+
+
+def test_sla_board_per_class_and_modality_without_instances() -> None:
+    board = board_with(0.9)
+    board.refused("rate_limited")
+    board.refused("rate_limited")
+    board.refused("not_allowed")
+    registry, _ = make_registry([], sla_board=board, process=False)
+    s = scrape(registry)
+    voice = {"class": "voice", "modality": "audio"}
+    # two stages (two senders' windows) merge into one row: no instance or stage label
+    assert value(s, "mmmesh_sla_attainment_ratio", **voice) == pytest.approx(0.9)
+    assert value(s, "mmmesh_sla_window_frames", **voice) == 200
+    assert value(s, "mmmesh_sla_window_deadline_misses", **voice) == 20
+    assert value(s, "mmmesh_sla_window_sources", **voice) == 2
+    assert value(s, "mmmesh_sla_attainment_ratio", **{"class": "video",
+                                                       "modality": "video"}) == 1
+    p99 = value(s, "mmmesh_sla_e2e_latency_seconds", **voice, percentile="p99")
+    assert p99 == pytest.approx(0.099, rel=0.02)  # 1..100 ms, from the merged sketch
+    assert value(s, "mmmesh_sla_e2e_latency_seconds", **voice, percentile="p50") == \
+        pytest.approx(0.050, rel=0.04)
+    for n, lab in s:
+        if n in SLA_METRICS and n.startswith("mmmesh_sla_") and "board" not in n \
+                and "reports" not in n:
+            assert {k for k, _ in lab} <= {"class", "modality", "percentile"}, (n, lab)
+    assert value(s, "mmmesh_sla_board_rows") == 3
+    assert value(s, "mmmesh_sla_board_senders") == 1  # the admin socket speaks for all
+    assert value(s, "mmmesh_sla_board_bytes") > 3 * 1500
+    assert value(s, "mmmesh_sla_reports_accepted_total") == 3
+    assert value(s, "mmmesh_sla_reports_refused_total", code="rate_limited") == 2
+    assert value(s, "mmmesh_sla_reports_refused_total", code="not_allowed") == 1
+    assert value(s, "mmmesh_sla_board_evictions_total", cause="own") == 0
+    assert value(s, "mmmesh_sla_board_evictions_total", cause="expired") == 0
+    assert value(s, "mmmesh_sla_board_skipped_reads_total") == 0
+    # a board whose windows all went stale: the class series go, the counters stay
+    stale = board_with(0.5, now=time.time() - 120)
+    s = scrape(make_registry([], sla_board=stale, process=False)[0])
+    assert value(s, "mmmesh_sla_attainment_ratio", **voice) is None
+    assert value(s, "mmmesh_sla_board_rows") == 3
+
+
+def test_a_failing_board_does_not_break_the_scrape() -> None:
+    class Broken:
+        def view(self, now: float | None = None) -> dict[str, Any]:
+            raise RuntimeError("boom")
+
+        def stats(self) -> dict[str, Any]:
+            return {"rows": 1}
+
+    s = scrape(make_registry([], sla_board=Broken(), process=False)[0])
+    assert value(s, "mmmesh_sla_board_rows") == 1
+    assert "mmmesh_policy_version" in names_in(s)
+
+
+def test_full_fake_scrape_passes_promtool() -> None:
+    targets, opener = fake_dataplanes(FakeDataplane("eth0", flows=10))
+    board = board_with(0.95)
+    board.refused("sender_quota")  # refusal codes appear with the first one
+    registry, qm = make_registry(targets, dataplane=opener, sla_board=board,
+                                 node="node-a", resync_interval_s=10)
+    assert qm is not None
+    qm.observe_reconcile(ReconcileResult(ok=True, version=1, started_at=time.time(),
+                                         duration_s=0.1, trigger="startup"))
+    text = generate_latest(registry).decode()
+    promtool_check_metrics(text)
+    # every name the tables promise is in it (histograms by their _count)
+    got = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    for spec in (DATAPLANE_METRICS, SLA_METRICS, QOSD_METRICS):
+        for name, (kind, _, _) in spec.items():
+            assert (name + "_count" if kind == "histogram" else name) in got, name
+    assert set(PROCESS_METRICS) <= got
+    assert {n for n in got if n.startswith("mmmesh_")} <= exported_names()
+
+
+# --------------------------------------------------------------------------
 # qosd's own metrics
 # --------------------------------------------------------------------------
 def test_qosd_metrics_observations() -> None:
     registry = CollectorRegistry()
-    qm = QosdMetrics(registry)
+    t0 = time.time()
+    qm = QosdMetrics(registry, node="node-a", resync_interval_s=7.5)
     s = scrape(registry)
     for trig in ("apply", "rollback", "resync", "startup", "restore"):  # at 0 from the start
         assert value(s, "mmmesh_reconciles_total", trigger=trig) == 0
     for res in ("adopted", "loaded", "replaced"):
         assert value(s, "mmmesh_adoptions_total", result=res) == 0
+    assert value(s, "mmmesh_resync_interval_seconds") == 7.5
+    assert value(s, "mmmesh_resync_last_run_timestamp_seconds") >= t0  # start = first beat
 
     now = time.time()
     qm.adoption("adopted")
@@ -286,9 +447,32 @@ def test_qosd_metrics_observations() -> None:
     assert value(s, "mmmesh_reconcile_duration_seconds_sum") == pytest.approx(2.32)
     assert value(s, "mmmesh_reconcile_duration_seconds_bucket", le="0.025") == 1
     assert value(s, "mmmesh_reconcile_duration_seconds_bucket", le="0.5") == 2
+    assert value(s, "mmmesh_reconcile_last_duration_seconds") == 2.0
     assert value(s, "mmmesh_reconcile_last_success_timestamp_seconds") == pytest.approx(now + 0.3)
+    # the heartbeat moves on every resync pass, also one that repaired nothing
+    qm.resync_ran(now + 60)
+    assert value(scrape(registry), "mmmesh_resync_last_run_timestamp_seconds") == now + 60
     want = {n + "_count" if kind == "histogram" else n for n, (kind, _, _) in QOSD_METRICS.items()}
     assert want <= names_in(s)
+
+
+def test_build_info_and_process_metrics() -> None:
+    import importlib.metadata
+    import platform
+
+    from mmmesh import _abi
+
+    registry, _ = make_registry([], node="node-a")
+    s = scrape(registry)
+    (labels,) = [dict(lab) for n, lab in s if n == "mmmesh_build_info"]
+    assert labels["version"] == importlib.metadata.version("mmmesh")
+    assert labels["abi"] == str(_abi.ABI_VERSION)
+    assert re.fullmatch(r"[0-9a-f]{16}", labels["bpf_build"])
+    assert labels["python"] == platform.python_version() and labels["node"] == "node-a"
+    assert value(s, "mmmesh_build_info", **labels) == 1
+    assert value(s, "process_resident_memory_bytes") > 10e6
+    assert 3 <= value(s, "process_open_fds") <= value(s, "process_max_fds")  # type: ignore[operator]
+    assert value(scrape(make_registry([], process=False)[0]), "process_open_fds") is None
 
 
 def test_serve_metrics_on_loopback() -> None:
@@ -302,60 +486,19 @@ def test_serve_metrics_on_loopback() -> None:
     assert "mmmesh_policy_version 9.0" in body
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=2)
+    with serve_metrics(registry, ":0") as srv:  # no host: loopback, not every address
+        assert srv.host == "127.0.0.1"
 
 
-# --------------------------------------------------------------------------
-# the Grafana dashboard
-# --------------------------------------------------------------------------
-def _exprs(node: Any) -> Iterator[str]:
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if k in ("expr", "definition") and isinstance(v, str):
-                yield v
-            elif k == "query" and isinstance(v, str):
-                yield v
-            else:
-                yield from _exprs(v)
-    elif isinstance(node, list):
-        for v in node:
-            yield from _exprs(v)
+def test_daemon_wires_board_build_info_and_heartbeat() -> None:
+    """qosd/daemon.py registers the board's collector, names the node, and
+    beats after every resync pass (the daemon itself runs in tests/test_qosd.py)."""
+    import inspect
 
+    from qosd import daemon
 
-def test_dashboard_uses_only_exported_metrics() -> None:
-    dash = json.loads(DASHBOARD.read_text())
-    assert 36 <= dash["schemaVersion"] <= 41
-    tvars = {v["name"]: v for v in dash["templating"]["list"]}
-    assert tvars["DS_PROMETHEUS"]["type"] == "datasource"
-    assert {"iface", "class"} <= set(tvars)
-    panels = [p for p in dash["panels"] if p["type"] != "row"]
-    for p in panels:
-        assert p["datasource"]["uid"] == "${DS_PROMETHEUS}", p["title"]
-        assert p["targets"], p["title"]
-    ids = [p["id"] for p in dash["panels"]]
-    assert len(ids) == len(set(ids))
-
-    used: set[str] = set()
-    for e in _exprs(dash):
-        used |= set(re.findall(r"mmmesh_[a-z0-9_]+", e))
-    exported = exported_names()
-    unknown = set()
-    for name in used:
-        if name in exported:
-            continue
-        base = re.sub(r"_(bucket|sum|count)$", "", name)
-        if base in FUTURE_METRICS:
-            continue
-        unknown.add(name)
-    assert not unknown, f"dashboard uses metrics nobody exports: {sorted(unknown)}"
-    # what the brief asks to see
-    for want in ("mmmesh_htb_class_bytes_total", "mmmesh_classifier_class_bytes_total",
-                 "mmmesh_htb_class_drops_total", "mmmesh_htb_class_backlog_bytes",
-                 "mmmesh_classifier_packets_total", "mmmesh_flows",
-                 "mmmesh_dataplane_policy_version", "mmmesh_stage_latency_seconds_bucket"):
-        assert want in used, want
-    latency = [p for p in panels if "mmmesh_stage_latency_seconds_bucket" in json.dumps(p)]
-    assert len(latency) == 1 and "sidecars report" in latency[0]["description"]
-    assert "histogram_quantile(0.99" in latency[0]["targets"][0]["expr"]
-    reasons = next(p for p in panels if p["title"] == "Classifier reasons")["targets"][0]["expr"]
-    for r in ("parsed", "flow_hit", "not_mesh", "malformed", "clamped"):
-        assert r in reasons
+    src = inspect.getsource(daemon.run)
+    assert "SlaBoardCollector(svc.sla_board)" in src
+    assert "node=cfg.node_name" in src and "resync_interval_s=cfg.resync_interval_s" in src
+    loop = src[src.index("async def resync_loop"):src.index("async def flush_logs")]
+    assert loop.index("svc.resync") < loop.index("resync_ran()") < loop.index("except Exc")
