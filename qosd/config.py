@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -26,6 +26,83 @@ from .reporters import DEFAULT_REPORTERS, ReporterRule
 from .slaquota import SlaLimits
 
 DEFAULT_CONFIG = Path("/etc/mmmesh/qosd.yaml")
+MIB = 1 << 20
+
+
+class PeersConfig(BaseModel):
+    """The ``peers:`` section: this qosd as a member of the mesh (qosd/peers,
+    docs/operations.md "Peers").  Without it qosd runs alone."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    listen: str = Field(default="0.0.0.0:7946", description="host:port of the peer gRPC server")
+    advertise: str | None = Field(
+        default=None, description="host:port peers reach this node at (needed when listen "
+        "is a wildcard address)")
+    seeds: list[str] = Field(default_factory=list, description="host:port of members to join "
+                             "through; a DNS name stands for all its A/AAAA records")
+    cert_file: Path = Field(description="this node's certificate (PEM; URI SAN "
+                            "spiffe://<trust_domain>/node/<node_name>)")
+    key_file: Path = Field(description="its private key (PEM)")
+    ca_file: Path = Field(description="the mesh CA: peers must present certificates it issued")
+    trust_domain: str = Field(default="mmmesh", pattern=r"^[a-z0-9.-]+$")
+    max_gossip_bytes: int = Field(default=64 * 1024, ge=4096, le=MIB)
+    max_push_pull_bytes: int = Field(default=4 * MIB, ge=64 * 1024, le=64 * MIB)
+    push_pull_timeout_s: float = Field(default=5.0, gt=0, le=60)
+    identify_timeout_s: float = Field(default=2.0, gt=0, le=60,
+                                      description="TLS handshake that identifies a seed")
+    rejoin_interval_s: float = Field(default=5.0, gt=0, le=3600, description="while no other "
+                                     "member is known: resolve the seeds and join again")
+    rate_packets_per_s: float = Field(default=200.0, gt=0, description="per peer identity")
+    rate_burst_packets: int = Field(default=400, ge=1)
+    rate_bytes_per_s: float = Field(default=2.0 * MIB, gt=0, description="per peer identity")
+    rate_burst_bytes: int = Field(default=16 * MIB, ge=64 * 1024)
+    max_inflight: int = Field(default=64, ge=1, le=4096,
+                              description="calls under way to one peer; more are dropped")
+    leave_timeout_s: float = Field(default=3.0, ge=0, le=60,
+                                   description="on stop: gossip the leave this long at most")
+    protocol: dict[str, float] = Field(
+        default_factory=dict, description="overrides of mmmesh.cluster.Config (timers: "
+        "probe_interval_s, suspicion_mult, ...; docs/cluster.md)")
+
+    @field_validator("listen", "advertise", "seeds")
+    @classmethod
+    def _addresses(cls, v: Any, info: ValidationInfo) -> Any:
+        for text in [v] if isinstance(v, str) else v or []:
+            _, port = parse_hostport(text, what=str(info.field_name))
+            if port == 0:
+                raise ValueError(f"{info.field_name} {text!r}: needs a fixed port")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PeersConfig:
+        host, _ = parse_hostport(self.listen)
+        if self.advertise is None and host in ("0.0.0.0", "::", ""):
+            raise ValueError("peers.advertise is needed when peers.listen is a wildcard address")
+        if self.rate_burst_bytes < self.max_push_pull_bytes:
+            raise ValueError("peers.rate_burst_bytes must be >= peers.max_push_pull_bytes")
+        self.core_config()  # unknown or invalid protocol settings fail here
+        return self
+
+    @property
+    def advertised(self) -> str:
+        return self.advertise or self.listen
+
+    def core_config(self) -> Any:
+        """The membership core's ``Config`` with ``protocol`` applied."""
+        import dataclasses
+
+        from mmmesh.cluster import Config
+
+        names = {f.name: f.type for f in dataclasses.fields(Config)}
+        unknown = sorted(set(self.protocol) - set(names))
+        if unknown:
+            raise ValueError(f"peers.protocol: unknown setting(s) {', '.join(unknown)}")
+        values = {k: int(v) if names[k] in ("int", int) else float(v)
+                  for k, v in self.protocol.items()}
+        return Config(**values)  # type: ignore[arg-type]  # Config checks each value
+
+
 
 
 class QosdConfig(BaseSettings):
@@ -68,6 +145,8 @@ class QosdConfig(BaseSettings):
         default=None, description="policy applied at first start, when the store is empty")
     history_limit: int = Field(default=50, ge=2, le=10000)
     log_level: str = Field(default="INFO")
+    peers: PeersConfig | None = Field(default=None, description="membership in the mesh "
+                                      "(gRPC, mTLS); none: this node runs alone")
 
     @field_validator("api_tcp", "metrics_addr")
     @classmethod

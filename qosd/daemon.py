@@ -182,6 +182,8 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
                  "adopted" if svc.reconciler.adopted else "loaded", res.version,
                  (time.monotonic() - t0) * 1000)
 
+    from .peers import start_peers  # the mesh (gRPC): exits 2 on an unusable peers: section
+    peers = await start_peers(cfg, svc, registry)  # None without a peers: section
     servers: list[ApiServer] = []
     if cfg.metrics_addr:
         host, port = parse_hostport(cfg.metrics_addr, default_host="0.0.0.0",
@@ -246,6 +248,8 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
     await stop.wait()
     log.info("stopping (the dataplane stays; the next qosd adopts it)")
     sd_notify("STOPPING=1")
+    if peers is not None:
+        await peers.stop()  # a graceful leave: members mark this node left, not dead
     await asyncio.gather(*(srv.stop_async() for srv in servers), *tasks,
                          return_exceptions=True)
     if watchdog is not None:

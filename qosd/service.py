@@ -46,6 +46,7 @@ class QosdService:
         self._flow_lock = threading.Lock()
         self.sla_senders = SenderResolver()
         self.sla_board = SlaBoard(cfg.sla_limits, cfg.sla_reporters)
+        self.peers: Any = None  # qosd.peers.Peers with a peers: section (qosd/peers: start_peers)
 
     # ---------------------------------------------------------- startup
     def start(self) -> ReconcileResult | None:

@@ -59,6 +59,7 @@ def test_openapi_describes_the_api(service: StoreService, tmp_path: Path) -> Non
         "/v1/policy", "/v1/policy/validate", "/v1/policy/diff", "/v1/policy/history",
         "/v1/policy/versions/{version}", "/v1/policy/rollback", "/v1/status",
         "/v1/flows/top", "/v1/sla", "/healthz", "/readyz",
+        "/v1/cluster/members",  # qosd/api/cluster.py
     }
     schemas = doc["components"]["schemas"]
     assert "HTTPValidationError" not in schemas  # our 422 body is documented instead

@@ -22,6 +22,7 @@ from mmmesh.slareport import SlaAccepted, SlaReport, SlaView
 from ..errors import NotFoundError
 from ..identity import ADMIN, ReportRefused, Sender, peer_of
 from ..model import Service
+from .cluster import cluster_routes
 from .errors import (
     E401,
     E404,
@@ -229,6 +230,7 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
                    responses={**E401, **E500})
     _policy_routes(v1, service)
     _status_routes(v1, service)
+    cluster_routes(v1, service)
     app.include_router(v1)
     _health_routes(app, service)
     install_handlers(app, [*SLA_HANDLERS, *SERVICE_HANDLERS, *REQUEST_HANDLERS])
