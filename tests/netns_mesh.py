@@ -164,7 +164,7 @@ class Mesh:
         self.prefix = f"mm{os.getpid() % 100000}x{next(_counter)}"
         self.subnet = f"10.79.{(os.getpid() + next(_counter)) % 250}"
         self.root = root
-        self.protocol = dict(protocol or PROTOCOL)
+        self.protocol = dict(PROTOCOL if protocol is None else protocol)
         self.bridge_ns = f"{self.prefix}b"
         self.names = [f"node-{i}" for i in range(n)]
         self.certs = root / "certs"

@@ -10,22 +10,8 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmmesh.cluster import (
-    Ack,
-    Alive,
-    AppBroadcast,
-    Dead,
-    Leave,
-    MemberRow,
-    Message,
-    Nack,
-    Packet,
-    Ping,
-    PingReq,
-    PushPull,
-    State,
-    Suspect,
-)
+import mmmesh.cluster as mc
+from mmmesh.cluster import MemberRow, Message, Packet, PushPull, State
 from mmmesh.v1 import peer_pb2
 from qosd.peers._wire import (
     _KINDS,
@@ -72,11 +58,11 @@ names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_si
 ints = st.integers(0, 2**64 - 1)
 rows = st.builds(MemberRow, names, names, ints, st.sampled_from(list(State)))
 messages = st.one_of(
-    st.builds(Ping, ints, names), st.builds(Ack, ints), st.builds(Nack, ints),
-    st.builds(PingReq, ints, names, names, st.booleans()),
-    st.builds(Alive, names, names, ints), st.builds(Suspect, names, ints, names),
-    st.builds(Dead, names, ints, names), st.builds(Leave, names, ints),
-    st.builds(AppBroadcast, names, names, ints, st.binary(max_size=300)),
+    st.builds(mc.Ping, ints, names), st.builds(mc.Ack, ints), st.builds(mc.Nack, ints),
+    st.builds(mc.PingReq, ints, names, names, st.booleans()),
+    st.builds(mc.Alive, names, names, ints), st.builds(mc.Suspect, names, ints, names),
+    st.builds(mc.Dead, names, ints, names), st.builds(mc.Leave, names, ints),
+    st.builds(mc.AppBroadcast, names, names, ints, st.binary(max_size=300)),
     st.builds(PushPull, st.booleans(), st.booleans(), st.lists(rows, max_size=20).map(tuple),
               st.binary(max_size=300)),
 )
@@ -99,7 +85,7 @@ def test_round_trip_and_the_size_estimate_is_exact(sender: str, addr: str,
 
 def test_a_full_gossip_packet_and_a_1000_member_push_pull() -> None:
     gossip = Packet("node-1", "10.0.0.1:7946", tuple(
-        Alive(f"node-{i}", f"10.0.{i // 250}.{i % 250}:7946", i) for i in range(30)))
+        mc.Alive(f"node-{i}", f"10.0.{i // 250}.{i % 250}:7946", i) for i in range(30)))
     assert len(encode(gossip)) == gossip.size < 1400
     pp = Packet("node-1", "10.0.0.1:7946", (PushPull(True, False, tuple(
         MemberRow(f"node-{i}", f"10.{i // 250}.{i % 250}.1:7946", 3, State.ALIVE)

@@ -17,30 +17,17 @@ from collections.abc import Mapping
 
 from google.protobuf.message import DecodeError as _ProtoDecodeError
 
-from mmmesh.cluster import (
-    Ack,
-    Alive,
-    AppBroadcast,
-    Dead,
-    Leave,
-    MemberRow,
-    Message,
-    Nack,
-    Packet,
-    Ping,
-    PingReq,
-    PushPull,
-    State,
-    Suspect,
-)
+import mmmesh.cluster as mc
+from mmmesh.cluster import MemberRow, Message, Packet, PushPull, State
 from mmmesh.v1 import peer_pb2
 
 __all__ = ["DecodeError", "decode", "decode_app_state", "encode", "encode_app_state"]
 
 # core class -> its case in peer_pb2.Message.kind
 _KINDS: dict[type[Message], str] = {
-    Ping: "ping", Ack: "ack", Nack: "nack", PingReq: "ping_req", Alive: "alive",
-    Suspect: "suspect", Dead: "dead", Leave: "leave", AppBroadcast: "app", PushPull: "push_pull",
+    mc.Ping: "ping", mc.Ack: "ack", mc.Nack: "nack", mc.PingReq: "ping_req", mc.Alive: "alive",
+    mc.Suspect: "suspect", mc.Dead: "dead", mc.Leave: "leave", mc.AppBroadcast: "app",
+    PushPull: "push_pull",
 }
 _CLASSES = {kind: cls for cls, kind in _KINDS.items()}
 # the proto fields of each flat message: the dataclass fields but ``wire``
