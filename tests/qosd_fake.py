@@ -169,6 +169,16 @@ class StoreService:
         self._enter("sla")
         return self.sla_board.view()
 
+    def cluster_sla(self, nodes: bool = True) -> dict[str, Any]:
+        """The global SLA view (GET /v1/cluster/sla) of a mesh of this node
+        alone, from its real board through a real mmmesh.cluster.slaview."""
+        self._enter("cluster_sla")
+        from mmmesh.cluster.slaview import SlaView
+
+        view, now = SlaView("node-a"), time.time()
+        view.local_windows(self.sla_board.view(now), 0.0, wall=now, members=1)
+        return view.snapshot(0.0, nodes=nodes)
+
     def healthy(self) -> bool:
         self._enter("healthy")
         return True

@@ -8,7 +8,9 @@ from typing import Annotated
 
 import typer
 
+from . import _cluster  # noqa: F401  (adds cluster members / certs to cluster_app)
 from ._client import DEFAULT_SOCKET, Conn
+from ._cluster_sla import cluster_app
 from ._exit import PROG, say
 from ._fast import FastCommand, FastGroup
 from ._node import flows_app, status
@@ -41,6 +43,7 @@ app = typer.Typer(
 app.add_typer(policy_app, name="policy")
 app.command(cls=FastCommand, name="status")(status)
 app.add_typer(flows_app, name="flows")
+app.add_typer(cluster_app, name="cluster")
 
 
 @app.callback()
