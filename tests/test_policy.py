@@ -761,7 +761,7 @@ def test_docs_examples_are_exact(example: Policy) -> None:
     assert parse_policy(first[1]) == example.model_copy(update={"description": None})
     rejected = doc.split("## Rejected policies", 1)[1]
     pairs = re.findall(r"```yaml\n(.*?)```\s*```\n(.*?)```", rejected, re.DOTALL)
-    assert len(pairs) == 4
+    assert len(pairs) == 5
     for text, shown in pairs:
         with pytest.raises(PolicyError) as info:
             parse_policy(text, source="policy.yaml")
@@ -775,8 +775,8 @@ def test_docs_examples_are_exact(example: Policy) -> None:
 # The public face: mmmesh.policy re-exports one module per role
 # --------------------------------------------------------------------------
 PUBLIC = [
-    "API_VERSION", "MAX_WEIGHT", "MODALITY_ALIASES", "QUANTUM_UNIT",
-    "Link", "Match", "MetaRange", "Policy", "Rate", "SourceRule", "TrafficClass", "Verdict",
+    "API_VERSION", "MAX_WEIGHT", "MODALITY_ALIASES", "QUANTUM_UNIT", "Adapt",
+    "Link", "Match", "MetaRange", "Objective", "Policy", "Rate", "SourceRule", "TrafficClass", "Verdict",
     "classify_reference", "load_policy", "parse_policy", "policy_json_schema",
     "reference_verdict",
 ]  # fmt: skip
@@ -785,7 +785,7 @@ PUBLIC = [
 def test_public_names() -> None:
     import mmmesh.policy as pkg
     from mmmesh import wire
-    from mmmesh.policy import _schema, _types, _yaml, reference
+    from mmmesh.policy import _adapt, _schema, _types, _yaml, reference
 
     assert pkg.__all__ == PUBLIC
     # nothing else public on the package but the one public role module
@@ -794,6 +794,7 @@ def test_public_names() -> None:
     homes = {
         "MODALITY_ALIASES": wire, "Rate": _types, "load_policy": _yaml, "parse_policy": _yaml,
         "Verdict": reference, "classify_reference": reference, "reference_verdict": reference,
+        "Adapt": _adapt, "Objective": _adapt,
     }  # fmt: skip
     for name in PUBLIC:
         assert getattr(pkg, name) is getattr(homes.get(name, _schema), name), name

@@ -28,11 +28,15 @@ This module is the public face; the code lives in one module per role:
   modality names, prefixes) and their validators;
 - ``_schema``: the models, the cross-field rules, ValidationError ->
   PolicyError, :func:`policy_json_schema`;
+- ``_adapt``: a class's SLA objective (:class:`Objective`, ``sla``) and the
+  ranges qosd may adapt it within (:class:`Adapt`, ``adapt``), with their
+  cross-field rules (in range, within the link, anti-escalation);
 - ``_yaml``: the strict YAML loader, :func:`parse_policy`, :func:`load_policy`;
 - ``reference``: the reference classifier.
 """
 
 from ..wire import MODALITY_ALIASES
+from ._adapt import Adapt, Objective
 from ._schema import (
     API_VERSION,
     MAX_WEIGHT,
@@ -54,9 +58,11 @@ __all__ = [
     "MAX_WEIGHT",
     "MODALITY_ALIASES",
     "QUANTUM_UNIT",
+    "Adapt",
     "Link",
     "Match",
     "MetaRange",
+    "Objective",
     "Policy",
     "Rate",
     "SourceRule",

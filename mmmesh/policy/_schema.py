@@ -36,6 +36,7 @@ from .._abi import (
     Modality,
 )
 from .._errors import PolicyError, field_path
+from ._adapt import Adapt, Objective, adapt_errors
 from ._types import (
     U32,
     U32_MAX,
@@ -186,6 +187,12 @@ class TrafficClass(_Model):
     dscp: Annotated[StrictInt, Field(ge=0, le=MAX_DSCP)] | None = Field(
         default=None, description="DSCP written on egress, 0..63; none = leave alone"
     )
+    sla: Objective | None = Field(
+        default=None, description="the objective the controller keeps: p99_ms and/or attainment"
+    )
+    adapt: Adapt | None = Field(
+        default=None, description="ranges [min, max] qosd may move rate/ceil/weight/priority in"
+    )
 
     @property
     def classid(self) -> int:
@@ -322,6 +329,12 @@ class Policy(_Model):
                 return i
         raise KeyError(name)
 
+    def p99_targets(self) -> dict[str, float]:
+        """The p99 objective in ms of every class that states one, by class name
+        (what ``SlaView.snapshot(targets=...)`` takes)."""
+        return {c.name: c.sla.p99_ms for c in self.classes
+                if c.sla is not None and c.sla.p99_ms is not None}  # fmt: skip
+
     def to_yaml(self) -> str:
         """The policy as YAML that :func:`parse_policy` reads back to an equal Policy."""
         data = self.model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -412,6 +425,7 @@ def _cross_errors(p: Policy) -> list[tuple[str, str]]:
                 errors.append((f"classes[{i}].match.modalities", msg))
             else:
                 fallback[m] = i
+    errors.extend(adapt_errors(p))
     return errors
 
 
