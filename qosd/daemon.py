@@ -184,6 +184,11 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
 
     from .peers import start_peers  # the mesh (gRPC): exits 2 on an unusable peers: section
     peers = await start_peers(cfg, svc, registry)  # None without a peers: section
+    if peers is not None:  # the global SLA view rides on the peers (section "sla")
+        from .cluster_sla import ClusterSla
+
+        svc.cluster_sla_app = ClusterSla(peers, svc.sla_board, svc.p99_targets)
+        await svc.cluster_sla_app.start()
     servers: list[ApiServer] = []
     if cfg.metrics_addr:
         host, port = parse_hostport(cfg.metrics_addr, default_host="0.0.0.0",
@@ -248,6 +253,8 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
     await stop.wait()
     log.info("stopping (the dataplane stays; the next qosd adopts it)")
     sd_notify("STOPPING=1")
+    if svc.cluster_sla_app is not None:
+        await svc.cluster_sla_app.stop()
     if peers is not None:
         await peers.stop()  # a graceful leave: members mark this node left, not dead
     await asyncio.gather(*(srv.stop_async() for srv in servers), *tasks,

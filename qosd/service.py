@@ -47,6 +47,7 @@ class QosdService:
         self.sla_senders = SenderResolver()
         self.sla_board = SlaBoard(cfg.sla_limits, cfg.sla_reporters)
         self.peers: Any = None  # qosd.peers.Peers with a peers: section (qosd/peers: start_peers)
+        self.cluster_sla_app: Any = None  # qosd.cluster_sla.ClusterSla, with the peers
 
     # ---------------------------------------------------------- startup
     def start(self) -> ReconcileResult | None:
@@ -242,6 +243,16 @@ class QosdService:
     def sla(self) -> dict[str, Any]:
         """{"instances", "stages", "classes", "skipped"}: qosd/slaboard.py."""
         return self.sla_board.view()
+
+    def p99_targets(self) -> dict[str, float] | None:
+        """Each class's p99 objective (ms) in the current policy."""
+        cur = self.store.current()
+        return cur.policy.p99_targets() if cur is not None else None
+
+    def cluster_sla(self, nodes: bool = True) -> dict[str, Any] | None:
+        """The global SLA view (GET /v1/cluster/sla); None without peers."""
+        app = self.cluster_sla_app
+        return app.snapshot(nodes) if app is not None else None
 
     def healthy(self) -> bool:
         return True

@@ -269,6 +269,11 @@ class Peers:
 
         return asyncio.run_coroutine_threadsafe(call(), loop).result(10)
 
+    def on_loop(self, fn: Callable[[], T]) -> T:
+        """Runs ``fn`` on the peers' loop and returns its result (from any thread):
+        how an application reads its own sans-I/O state safely."""
+        return self._on_loop(fn)
+
     def broadcast(self, key: str, payload: bytes) -> int:
         """Gossips ``payload`` under ``key`` to every member (``Membership.broadcast``:
         last writer wins per (origin, key); at most one packet, ClusterError
