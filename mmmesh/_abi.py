@@ -343,14 +343,18 @@ STRUCTS: list[tuple[str, type[ctypes.Structure]]] = [
 # declarations (bpf/include/mm_maps.h) and the program prototypes from it;
 # the loader pins exactly these names and user space opens them by them.
 # --------------------------------------------------------------------------
+CType = type[ctypes.c_uint32] | type[ctypes.c_uint64] | type[ctypes.c_int] | type[ctypes.Structure]
+
+
 @dataclass(frozen=True)
 class MapDef:
     """One BPF map of the classifier."""
 
     name: str  # the C name, the pin name under /sys/fs/bpf/mmmesh/<dev>/
-    kind: str  # "array" | "percpu_array" | "hash" | "lru_hash" | "lpm_trie"
-    key: type[ctypes.c_uint32] | type[ctypes.Structure]
-    value: type[ctypes.Structure]
+    kind: str  # "array" | "percpu_array" | "hash" | "lru_hash" | "lpm_trie" | "sockhash"
+    #            | "sk_storage" (the last two: the socket layer only)
+    key: CType
+    value: CType
     max_entries: str  # a C expression (a constant or tunable name, or a number)
     doc: str
     no_prealloc: bool = False  # BPF_F_NO_PREALLOC (required for LPM tries)
@@ -376,8 +380,7 @@ MAPS: tuple[MapDef, ...] = (
            "Scratch space for a whole MMH header and the TLV walk's results.", user=False),
 )
 MAP_NAMES: tuple[str, ...] = tuple(m.name for m in MAPS)
-MAP_LAYOUTS: dict[str, tuple[type[ctypes.c_uint32] | type[ctypes.Structure],
-                             type[ctypes.Structure]]] = {m.name: (m.key, m.value) for m in MAPS}
+MAP_LAYOUTS: dict[str, tuple[CType, CType]] = {m.name: (m.key, m.value) for m in MAPS}
 
 # direction -> program (a SCHED_CLS function in bpf/mm_tc.c, attached with clsact)
 PROGRAMS: dict[str, str] = {"egress": "mm_egress", "ingress": "mm_ingress"}
@@ -435,6 +438,7 @@ def constants() -> dict[str, int]:
         out[f"MM_META_{k.name}"] = int(k)
     for r in Reason:
         out[f"MM_R_{r.name}"] = int(r)
+    out.update(sock_constants())
     return out
 
 
@@ -443,3 +447,269 @@ TUNABLES: dict[str, int] = {
     "MM_MAX_FLOWS": DEFAULT_MAX_FLOWS,
     "MM_MAX_SRC_RULES": DEFAULT_MAX_SRC_RULES,
 }
+
+
+# --------------------------------------------------------------------------
+# The socket layer (bpf/mm_sock.c, docs/socklayer.md): sockops registers mesh
+# sockets in a SOCKHASH, sk_msg reads MMH frames at their boundaries, counts
+# them and redirects same-node frames socket to socket.  Its maps and
+# programs are a second object (SOCK_MAPS, SOCK_PROGRAMS), pinned under
+# /sys/fs/bpf/mmmesh/sock/<cgroup>/, rendered into bpf/include/mm_sock_maps.h.
+# --------------------------------------------------------------------------
+class SockEvent(enum.IntEnum):
+    """sock_stats_map.events[]: what the socket layer did (counts)."""
+
+    REGISTERED = 0  # sockops put an established mesh socket in the sockhash
+    REMOVED = 1  # a registered socket closed (registry, lane and lead claim cleared)
+    SKIPPED = 2  # an established socket that is not a mesh socket (no endpoint)
+    HASH_FULL = 3  # a mesh socket that did not fit the sockhash or the registry
+    FRAMES = 4  # frames read at a boundary (valid MMH header)
+    FRAME_BYTES = 5  # their bytes (header + payload, as the header announces)
+    REDIRECTED = 6  # frames redirected into a local socket (TCP/IP bypassed)
+    REDIRECTED_BYTES = 7
+    PASSED = 8  # frames sent over TCP (valid header, not redirected)
+    PASSED_BYTES = 9
+    SPLIT_HEADER = 10  # a frame whose header is split across messages (carried over)
+    MALFORMED = 11  # MMH magic but a broken header: the stream is unaligned from here
+    NOT_MMH = 12  # no MMH magic at a boundary: the stream is unaligned from here
+    UNALIGNED = 13  # messages passed over TCP on an unaligned stream
+    UNALIGNED_BYTES = 14
+    OFF = 15  # (pass reason) redirect switched off
+    REMOTE = 16  # (pass reason) the peer is not a local mesh socket
+    PEER_TCP = 17  # (pass reason) the peer already got TCP bytes from us (order guard)
+    NOT_LEAD = 18  # (pass reason) weights set but another socket leads this group
+    REDIRECT_FAILED = 19  # (pass reason) the target left the sockhash meanwhile
+    LANE_MISS = 20  # a weighted pick without a usable lane: the own peer was used
+    NO_STATE = 21  # a message on a socket without socket storage
+
+
+SOCK_NR_EVENTS = 24  # room for a few more events without an ABI change
+SOCK_MAX_REPLICAS = 8  # replicas of one stage that weights and lanes address (a power of 2)
+SOCK_NR_MOD = 9  # per-socket counters for modalities 0..7; slot 8 counts every other value
+SOCK_MAX_WEIGHT = 0xFFFF  # a larger weight is clamped (keeps the weighted pick in 32 bits)
+SOCK_NO_PICK = 0xFF  # mm_sock_state.last_pick before any weighted pick
+SOCK_CARRY_SIZE = 256  # bytes of a split header kept in socket storage (a power of 2 > MMH_HDR_MAX)
+SOCK_CARRY_REDIRECT = 1  # the frame whose header is carried is redirected to carry_tgt
+SOCK_CARRY_PASS = 2  # ... goes over TCP
+SOCK_ROLE_CLIENT = 1  # the socket connected (its endpoint is the remote side)
+SOCK_ROLE_SERVER = 2  # the socket was accepted (its endpoint is the local side)
+SOCK_CFG_REGISTER = 0x1  # sockops registers new mesh sockets
+SOCK_CFG_REDIRECT = 0x2  # sk_msg redirects frames to local peers (else: count, pass)
+SOCK_CFG_ALL = 0x4  # every TCP socket of the cgroup is a mesh socket (no endpoint needed)
+SOCK_F_SENT_TCP = 0x1  # bytes went over TCP to the peer: the peer never gets redirects
+SOCK_F_LOST = 0x2  # unaligned stream (no header at a boundary): everything passes
+SOCK_F_LEAD = 0x4  # this socket leads its group's lanes (weighted redirect)
+DEFAULT_SOCK_MAX = 16384  # sockhash and registry size (cflag MM_SOCK_MAX)
+AF_INET = 2
+AF_INET6 = 10
+
+
+class SockKey(ctypes.Structure):
+    """sock_hash and sock_flow_map key: one socket seen from its own side.
+    IPv4 and IPv4-mapped IPv6 addresses are stored IPv4-mapped with family
+    AF_INET, so a dual-stack socket and its IPv4 peer have mirrored keys."""
+
+    _fields_ = [
+        ("laddr", ctypes.c_uint8 * 16),  # be
+        ("raddr", ctypes.c_uint8 * 16),  # be
+        ("lport", ctypes.c_uint16),
+        ("rport", ctypes.c_uint16),
+        ("family", ctypes.c_uint8),  # AF_INET (also IPv4-mapped) or AF_INET6
+        ("pad", ctypes.c_uint8 * 3),
+    ]
+
+
+class SockEpKey(ctypes.Structure):
+    """sock_ep_map key: a mesh endpoint; port 0 = every port of the address."""
+
+    _fields_ = [
+        ("addr", ctypes.c_uint8 * 16),  # be, IPv4-mapped for IPv4
+        ("port", ctypes.c_uint16),
+        ("pad", ctypes.c_uint16),
+    ]
+
+
+class SockEp(ctypes.Structure):
+    """sock_ep_map value: which stage and replica listens there."""
+
+    _fields_ = [("stage", ctypes.c_uint32), ("replica", ctypes.c_uint32)]
+
+
+class SockWeights(ctypes.Structure):
+    """sock_weight_map value (key = stage): weight per replica; 0 = none."""
+
+    _fields_ = [("w", ctypes.c_uint32 * SOCK_MAX_REPLICAS)]
+
+
+class SockGroupKey(ctypes.Structure):
+    """sock_group_map key: one sender (netns + local address) towards one stage."""
+
+    _fields_ = [
+        ("netns", ctypes.c_uint64),  # bpf_get_netns_cookie()
+        ("addr", ctypes.c_uint8 * 16),  # be, the sender's local address
+        ("stage", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class SockGroup(ctypes.Structure):
+    """sock_group_map value: the one socket that spreads the group's frames."""
+
+    _fields_ = [("lead", ctypes.c_uint64)]  # socket cookie, 0 = unclaimed
+
+
+class SockLaneKey(ctypes.Structure):
+    """sock_lane_map key: a group's connection to one replica."""
+
+    _fields_ = [
+        ("group", SockGroupKey),
+        ("replica", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class SockLane(ctypes.Structure):
+    """sock_lane_map value: where frames for that replica go (the newest
+    connection of the group to it)."""
+
+    _fields_ = [
+        ("peer", SockKey),  # the replica's socket (the redirect target)
+        ("cookie", ctypes.c_uint64),  # the group's socket that connected
+    ]
+
+
+class SockFlow(ctypes.Structure):
+    """sock_flow_map value (key SockKey): the registry user space lists."""
+
+    _fields_ = [
+        ("cookie", ctypes.c_uint64),
+        ("netns", ctypes.c_uint64),
+        ("established_ns", ctypes.c_uint64),  # bpf_ktime_get_ns() (CLOCK_MONOTONIC)
+        ("stage", ctypes.c_uint32),  # the connection's endpoint: stage, 0 = none
+        ("replica", ctypes.c_uint32),
+        ("peer_stage", ctypes.c_uint32),  # the other side's stage (address-wide endpoint)
+        ("role", ctypes.c_uint8),  # SOCK_ROLE_*
+        ("flags", ctypes.c_uint8),  # SOCK_F_* (SENT_TCP is what the order guard reads)
+        ("pad", ctypes.c_uint8 * 2),
+    ]
+
+
+class SockCounter(ctypes.Structure):
+    _fields_ = [("frames", ctypes.c_uint64), ("bytes", ctypes.c_uint64)]
+
+
+class SockState(ctypes.Structure):
+    """sock_state_map value (SK_STORAGE): the socket's own state, freed with it."""
+
+    _fields_ = [
+        ("cookie", ctypes.c_uint64),  # from sockops (sk_msg cannot read it)
+        ("netns", ctypes.c_uint64),
+        ("stage", ctypes.c_uint32),
+        ("replica", ctypes.c_uint32),
+        ("peer_stage", ctypes.c_uint32),
+        ("weight", ctypes.c_uint32),  # weight of the replica its last frame went to (0: none)
+        ("role", ctypes.c_uint8),
+        ("flags", ctypes.c_uint8),  # SOCK_F_*
+        ("last_modality", ctypes.c_uint8),
+        ("last_class", ctypes.c_uint8),  # requested class byte of the last frame
+        ("last_pick", ctypes.c_uint8),  # replica of the last weighted pick, SOCK_NO_PICK
+        ("pad", ctypes.c_uint8 * 3),
+        ("swrr", ctypes.c_int32 * SOCK_MAX_REPLICAS),  # smooth weighted round robin state
+        ("redirected", ctypes.c_uint64),  # frames
+        ("passed", ctypes.c_uint64),  # frames
+        ("mod", SockCounter * SOCK_NR_MOD),  # per modality (8 = any other value)
+        # the alignment state machine: a header split across messages is
+        # carried over here until it is whole (docs/socklayer.md)
+        ("carry_len", ctypes.c_uint16),  # header bytes of the frame in progress seen so far
+        ("carry_mode", ctypes.c_uint8),  # SOCK_CARRY_*: where that frame's bytes go
+        ("pad2", ctypes.c_uint8 * 5),
+        ("carry_tgt", SockKey),  # its redirect target (the socket's own peer)
+        ("carry", ctypes.c_uint8 * SOCK_CARRY_SIZE),
+    ]
+
+
+class SockConfig(ctypes.Structure):
+    """sock_config_map value (ARRAY[1])."""
+
+    _fields_ = [("flags", ctypes.c_uint32), ("version", ctypes.c_uint32)]  # SOCK_CFG_*
+
+
+class SockStats(ctypes.Structure):
+    """sock_stats_map value (PERCPU_ARRAY[1])."""
+
+    _fields_ = [
+        ("events", ctypes.c_uint64 * SOCK_NR_EVENTS),  # SockEvent
+        ("mod", SockCounter * MAX_MODALITIES),  # frames per modality byte
+        ("cls", SockCounter * MAX_CLASSES),  # frames per requested class (0: none or >= 64)
+    ]
+
+
+STRUCTS += [
+    ("mm_sock_key", SockKey),
+    ("mm_sock_ep_key", SockEpKey),
+    ("mm_sock_ep", SockEp),
+    ("mm_sock_weights", SockWeights),
+    ("mm_sock_group_key", SockGroupKey),
+    ("mm_sock_group", SockGroup),
+    ("mm_sock_lane_key", SockLaneKey),
+    ("mm_sock_lane", SockLane),
+    ("mm_sock_flow", SockFlow),
+    ("mm_sock_counter", SockCounter),
+    ("mm_sock_state", SockState),
+    ("mm_sock_config", SockConfig),
+    ("mm_sock_stats", SockStats),
+]
+
+SOCK_MAPS: tuple[MapDef, ...] = (
+    MapDef("sock_config_map", "array", ctypes.c_uint32, SockConfig, "1",
+           "Switches: register, redirect, all sockets (written by user space)."),
+    MapDef("sock_meta_map", "array", ctypes.c_uint32, Meta, "1",
+           "Identifies a pinned socket layer (ABI version, build id) for adoption."),
+    MapDef("sock_hash", "sockhash", SockKey, ctypes.c_uint64, "MM_SOCK_MAX",
+           "The mesh sockets (value: a socket reference; user space reads its cookie)."),
+    MapDef("sock_state_map", "sk_storage", ctypes.c_int, SockState, "0",
+           "Per-socket state and counters, freed with the socket (key: a socket fd)."),
+    MapDef("sock_flow_map", "hash", SockKey, SockFlow, "MM_SOCK_MAX",
+           "Registry of the mesh sockets: identity and the order guard's flags."),
+    MapDef("sock_ep_map", "hash", SockEpKey, SockEp, "MM_SOCK_MAX_ENDPOINTS",
+           "Mesh endpoints: (address, port) -> stage, replica (written by user space)."),
+    MapDef("sock_weight_map", "hash", ctypes.c_uint32, SockWeights, "MM_SOCK_MAX_STAGES",
+           "Stage -> weight per replica (written by user space)."),
+    MapDef("sock_group_map", "hash", SockGroupKey, SockGroup, "MM_SOCK_MAX_LANES",
+           "Group -> its lead socket (the one writer of the group's lanes)."),
+    MapDef("sock_lane_map", "hash", SockLaneKey, SockLane, "MM_SOCK_MAX_LANES",
+           "(group, replica) -> the replica's socket that frames are redirected into."),
+    MapDef("sock_stats_map", "percpu_array", ctypes.c_uint32, SockStats, "1",
+           "Counters: events, frames per modality and per requested class."),
+    # the header-reading scratch space that bpf/lib/mmh.h names: the same map
+    # definition as the classifier's, a separate map in this object
+    next(m for m in MAPS if m.name == "scratch_map"),
+)
+SOCK_MAP_NAMES: tuple[str, ...] = tuple(m.name for m in SOCK_MAPS)
+
+# attach point -> program (bpf/mm_sock.c): sockops on a cgroup v2, sk_msg on sock_hash
+SOCK_PROGRAMS: dict[str, str] = {"sockops": "mm_sockops", "sk_msg": "mm_sk_msg"}
+
+SOCK_TUNABLES: dict[str, int] = {
+    "MM_SOCK_MAX": DEFAULT_SOCK_MAX,
+    "MM_SOCK_MAX_ENDPOINTS": 1024,
+    "MM_SOCK_MAX_STAGES": 1024,
+    "MM_SOCK_MAX_LANES": 4096,
+}
+
+
+_SOCK_EXPORTED = (
+    "SOCK_NR_EVENTS", "SOCK_MAX_REPLICAS", "SOCK_NR_MOD", "SOCK_MAX_WEIGHT", "SOCK_NO_PICK",
+    "SOCK_CARRY_SIZE", "SOCK_CARRY_REDIRECT", "SOCK_CARRY_PASS", "SOCK_ROLE_CLIENT",
+    "SOCK_ROLE_SERVER", "SOCK_CFG_REGISTER", "SOCK_CFG_REDIRECT", "SOCK_CFG_ALL",
+    "SOCK_F_SENT_TCP", "SOCK_F_LOST", "SOCK_F_LEAD", "AF_INET", "AF_INET6",
+)
+
+
+def sock_constants() -> dict[str, int]:
+    """The socket layer's integer constants exported to C (part of constants()):
+    MM_<name> for the names above, MM_SE_<event> for every SockEvent."""
+    out: dict[str, int] = {f"MM_{n}": int(globals()[n]) for n in _SOCK_EXPORTED}
+    for e in SockEvent:
+        out[f"MM_SE_{e.name}"] = int(e)
+    return out

@@ -7,4 +7,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mmmesh import _abigen  # noqa: E402
 
 _abigen.write()
-print(f"wrote {_abigen.HEADER_PATH} and {_abigen.MAPS_HEADER_PATH}")
+print(f"wrote {_abigen.HEADER_PATH}, {_abigen.MAPS_HEADER_PATH} and {_abigen.SOCK_MAPS_HEADER_PATH}")

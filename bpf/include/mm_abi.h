@@ -76,12 +76,64 @@
 #define MM_R_FLOW_NEW 5
 #define MM_R_FLOW_UPDATE 6
 #define MM_R_DSCP_REWRITE 7
+#define MM_SOCK_NR_EVENTS 0x18
+#define MM_SOCK_MAX_REPLICAS 8
+#define MM_SOCK_NR_MOD 9
+#define MM_SOCK_MAX_WEIGHT 0xffff
+#define MM_SOCK_NO_PICK 0xff
+#define MM_SOCK_CARRY_SIZE 0x100
+#define MM_SOCK_CARRY_REDIRECT 1
+#define MM_SOCK_CARRY_PASS 2
+#define MM_SOCK_ROLE_CLIENT 1
+#define MM_SOCK_ROLE_SERVER 2
+#define MM_SOCK_CFG_REGISTER 1
+#define MM_SOCK_CFG_REDIRECT 2
+#define MM_SOCK_CFG_ALL 4
+#define MM_SOCK_F_SENT_TCP 1
+#define MM_SOCK_F_LOST 2
+#define MM_SOCK_F_LEAD 4
+#define MM_AF_INET 2
+#define MM_AF_INET6 0xa
+#define MM_SE_REGISTERED 0
+#define MM_SE_REMOVED 1
+#define MM_SE_SKIPPED 2
+#define MM_SE_HASH_FULL 3
+#define MM_SE_FRAMES 4
+#define MM_SE_FRAME_BYTES 5
+#define MM_SE_REDIRECTED 6
+#define MM_SE_REDIRECTED_BYTES 7
+#define MM_SE_PASSED 8
+#define MM_SE_PASSED_BYTES 9
+#define MM_SE_SPLIT_HEADER 0xa
+#define MM_SE_MALFORMED 0xb
+#define MM_SE_NOT_MMH 0xc
+#define MM_SE_UNALIGNED 0xd
+#define MM_SE_UNALIGNED_BYTES 0xe
+#define MM_SE_OFF 0xf
+#define MM_SE_REMOTE 0x10
+#define MM_SE_PEER_TCP 0x11
+#define MM_SE_NOT_LEAD 0x12
+#define MM_SE_REDIRECT_FAILED 0x13
+#define MM_SE_LANE_MISS 0x14
+#define MM_SE_NO_STATE 0x15
 
 #ifndef MM_MAX_FLOWS
 #define MM_MAX_FLOWS 65536
 #endif
 #ifndef MM_MAX_SRC_RULES
 #define MM_MAX_SRC_RULES 1024
+#endif
+#ifndef MM_SOCK_MAX
+#define MM_SOCK_MAX 16384
+#endif
+#ifndef MM_SOCK_MAX_ENDPOINTS
+#define MM_SOCK_MAX_ENDPOINTS 1024
+#endif
+#ifndef MM_SOCK_MAX_STAGES
+#define MM_SOCK_MAX_STAGES 1024
+#endif
+#ifndef MM_SOCK_MAX_LANES
+#define MM_SOCK_MAX_LANES 4096
 #endif
 
 struct mm_class_info {
@@ -241,5 +293,175 @@ struct mm_scratch {
 _Static_assert(sizeof(struct mm_scratch) == 544, "mm_scratch size");
 _Static_assert(__builtin_offsetof(struct mm_scratch, buf) == 0, "mm_scratch.buf");
 _Static_assert(__builtin_offsetof(struct mm_scratch, out) == 512, "mm_scratch.out");
+
+struct mm_sock_key {
+	__u8 laddr[16];
+	__u8 raddr[16];
+	__u16 lport;
+	__u16 rport;
+	__u8 family;
+	__u8 pad[3];
+} __attribute__((aligned(2)));
+_Static_assert(sizeof(struct mm_sock_key) == 40, "mm_sock_key size");
+_Static_assert(__builtin_offsetof(struct mm_sock_key, laddr) == 0, "mm_sock_key.laddr");
+_Static_assert(__builtin_offsetof(struct mm_sock_key, raddr) == 16, "mm_sock_key.raddr");
+_Static_assert(__builtin_offsetof(struct mm_sock_key, lport) == 32, "mm_sock_key.lport");
+_Static_assert(__builtin_offsetof(struct mm_sock_key, rport) == 34, "mm_sock_key.rport");
+_Static_assert(__builtin_offsetof(struct mm_sock_key, family) == 36, "mm_sock_key.family");
+_Static_assert(__builtin_offsetof(struct mm_sock_key, pad) == 37, "mm_sock_key.pad");
+
+struct mm_sock_ep_key {
+	__u8 addr[16];
+	__u16 port;
+	__u16 pad;
+} __attribute__((aligned(2)));
+_Static_assert(sizeof(struct mm_sock_ep_key) == 20, "mm_sock_ep_key size");
+_Static_assert(__builtin_offsetof(struct mm_sock_ep_key, addr) == 0, "mm_sock_ep_key.addr");
+_Static_assert(__builtin_offsetof(struct mm_sock_ep_key, port) == 16, "mm_sock_ep_key.port");
+_Static_assert(__builtin_offsetof(struct mm_sock_ep_key, pad) == 18, "mm_sock_ep_key.pad");
+
+struct mm_sock_ep {
+	__u32 stage;
+	__u32 replica;
+} __attribute__((aligned(4)));
+_Static_assert(sizeof(struct mm_sock_ep) == 8, "mm_sock_ep size");
+_Static_assert(__builtin_offsetof(struct mm_sock_ep, stage) == 0, "mm_sock_ep.stage");
+_Static_assert(__builtin_offsetof(struct mm_sock_ep, replica) == 4, "mm_sock_ep.replica");
+
+struct mm_sock_weights {
+	__u32 w[8];
+} __attribute__((aligned(4)));
+_Static_assert(sizeof(struct mm_sock_weights) == 32, "mm_sock_weights size");
+_Static_assert(__builtin_offsetof(struct mm_sock_weights, w) == 0, "mm_sock_weights.w");
+
+struct mm_sock_group_key {
+	__u64 netns;
+	__u8 addr[16];
+	__u32 stage;
+	__u32 pad;
+} __attribute__((aligned(8)));
+_Static_assert(sizeof(struct mm_sock_group_key) == 32, "mm_sock_group_key size");
+_Static_assert(__builtin_offsetof(struct mm_sock_group_key, netns) == 0, "mm_sock_group_key.netns");
+_Static_assert(__builtin_offsetof(struct mm_sock_group_key, addr) == 8, "mm_sock_group_key.addr");
+_Static_assert(__builtin_offsetof(struct mm_sock_group_key, stage) == 24, "mm_sock_group_key.stage");
+_Static_assert(__builtin_offsetof(struct mm_sock_group_key, pad) == 28, "mm_sock_group_key.pad");
+
+struct mm_sock_group {
+	__u64 lead;
+} __attribute__((aligned(8)));
+_Static_assert(sizeof(struct mm_sock_group) == 8, "mm_sock_group size");
+_Static_assert(__builtin_offsetof(struct mm_sock_group, lead) == 0, "mm_sock_group.lead");
+
+struct mm_sock_lane_key {
+	struct mm_sock_group_key group;
+	__u32 replica;
+	__u32 pad;
+} __attribute__((aligned(8)));
+_Static_assert(sizeof(struct mm_sock_lane_key) == 40, "mm_sock_lane_key size");
+_Static_assert(__builtin_offsetof(struct mm_sock_lane_key, group) == 0, "mm_sock_lane_key.group");
+_Static_assert(__builtin_offsetof(struct mm_sock_lane_key, replica) == 32, "mm_sock_lane_key.replica");
+_Static_assert(__builtin_offsetof(struct mm_sock_lane_key, pad) == 36, "mm_sock_lane_key.pad");
+
+struct mm_sock_lane {
+	struct mm_sock_key peer;
+	__u64 cookie;
+} __attribute__((aligned(8)));
+_Static_assert(sizeof(struct mm_sock_lane) == 48, "mm_sock_lane size");
+_Static_assert(__builtin_offsetof(struct mm_sock_lane, peer) == 0, "mm_sock_lane.peer");
+_Static_assert(__builtin_offsetof(struct mm_sock_lane, cookie) == 40, "mm_sock_lane.cookie");
+
+struct mm_sock_flow {
+	__u64 cookie;
+	__u64 netns;
+	__u64 established_ns;
+	__u32 stage;
+	__u32 replica;
+	__u32 peer_stage;
+	__u8 role;
+	__u8 flags;
+	__u8 pad[2];
+} __attribute__((aligned(8)));
+_Static_assert(sizeof(struct mm_sock_flow) == 40, "mm_sock_flow size");
+_Static_assert(__builtin_offsetof(struct mm_sock_flow, cookie) == 0, "mm_sock_flow.cookie");
+_Static_assert(__builtin_offsetof(struct mm_sock_flow, netns) == 8, "mm_sock_flow.netns");
+_Static_assert(__builtin_offsetof(struct mm_sock_flow, established_ns) == 16, "mm_sock_flow.established_ns");
+_Static_assert(__builtin_offsetof(struct mm_sock_flow, stage) == 24, "mm_sock_flow.stage");
+_Static_assert(__builtin_offsetof(struct mm_sock_flow, replica) == 28, "mm_sock_flow.replica");
+_Static_assert(__builtin_offsetof(struct mm_sock_flow, peer_stage) == 32, "mm_sock_flow.peer_stage");
+_Static_assert(__builtin_offsetof(struct mm_sock_flow, role) == 36, "mm_sock_flow.role");
+_Static_assert(__builtin_offsetof(struct mm_sock_flow, flags) == 37, "mm_sock_flow.flags");
+_Static_assert(__builtin_offsetof(struct mm_sock_flow, pad) == 38, "mm_sock_flow.pad");
+
+struct mm_sock_counter {
+	__u64 frames;
+	__u64 bytes;
+} __attribute__((aligned(8)));
+_Static_assert(sizeof(struct mm_sock_counter) == 16, "mm_sock_counter size");
+_Static_assert(__builtin_offsetof(struct mm_sock_counter, frames) == 0, "mm_sock_counter.frames");
+_Static_assert(__builtin_offsetof(struct mm_sock_counter, bytes) == 8, "mm_sock_counter.bytes");
+
+struct mm_sock_state {
+	__u64 cookie;
+	__u64 netns;
+	__u32 stage;
+	__u32 replica;
+	__u32 peer_stage;
+	__u32 weight;
+	__u8 role;
+	__u8 flags;
+	__u8 last_modality;
+	__u8 last_class;
+	__u8 last_pick;
+	__u8 pad[3];
+	__s32 swrr[8];
+	__u64 redirected;
+	__u64 passed;
+	struct mm_sock_counter mod[9];
+	__u16 carry_len;
+	__u8 carry_mode;
+	__u8 pad2[5];
+	struct mm_sock_key carry_tgt;
+	__u8 carry[256];
+} __attribute__((aligned(8)));
+_Static_assert(sizeof(struct mm_sock_state) == 536, "mm_sock_state size");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, cookie) == 0, "mm_sock_state.cookie");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, netns) == 8, "mm_sock_state.netns");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, stage) == 16, "mm_sock_state.stage");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, replica) == 20, "mm_sock_state.replica");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, peer_stage) == 24, "mm_sock_state.peer_stage");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, weight) == 28, "mm_sock_state.weight");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, role) == 32, "mm_sock_state.role");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, flags) == 33, "mm_sock_state.flags");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, last_modality) == 34, "mm_sock_state.last_modality");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, last_class) == 35, "mm_sock_state.last_class");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, last_pick) == 36, "mm_sock_state.last_pick");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, pad) == 37, "mm_sock_state.pad");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, swrr) == 40, "mm_sock_state.swrr");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, redirected) == 72, "mm_sock_state.redirected");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, passed) == 80, "mm_sock_state.passed");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, mod) == 88, "mm_sock_state.mod");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, carry_len) == 232, "mm_sock_state.carry_len");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, carry_mode) == 234, "mm_sock_state.carry_mode");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, pad2) == 235, "mm_sock_state.pad2");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, carry_tgt) == 240, "mm_sock_state.carry_tgt");
+_Static_assert(__builtin_offsetof(struct mm_sock_state, carry) == 280, "mm_sock_state.carry");
+
+struct mm_sock_config {
+	__u32 flags;
+	__u32 version;
+} __attribute__((aligned(4)));
+_Static_assert(sizeof(struct mm_sock_config) == 8, "mm_sock_config size");
+_Static_assert(__builtin_offsetof(struct mm_sock_config, flags) == 0, "mm_sock_config.flags");
+_Static_assert(__builtin_offsetof(struct mm_sock_config, version) == 4, "mm_sock_config.version");
+
+struct mm_sock_stats {
+	__u64 events[24];
+	struct mm_sock_counter mod[256];
+	struct mm_sock_counter cls[64];
+} __attribute__((aligned(8)));
+_Static_assert(sizeof(struct mm_sock_stats) == 5312, "mm_sock_stats size");
+_Static_assert(__builtin_offsetof(struct mm_sock_stats, events) == 0, "mm_sock_stats.events");
+_Static_assert(__builtin_offsetof(struct mm_sock_stats, mod) == 192, "mm_sock_stats.mod");
+_Static_assert(__builtin_offsetof(struct mm_sock_stats, cls) == 4288, "mm_sock_stats.cls");
 
 #endif /* MM_ABI_H */

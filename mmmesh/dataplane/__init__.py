@@ -13,17 +13,35 @@ The public face is small::
     dp.htb_classes()                       # {classid: HtbClassStats}
     dp.down()                              # detach, unpin, restore the device
 
-Results are typed values (``_types.py``), errors are ``DataplaneError``.
+The socket layer (sockops + SOCKHASH + sk_msg on a cgroup v2, docs/socklayer.md)
+has a handle of its own::
+
+    sl = SocketLayer("mesh.slice")         # a cgroup below the cgroup v2 mount
+    sl.up([Endpoint("10.1.0.7", 7000, stage=2)])   # load or adopt, attach
+    sl.set_weights(2, [3, 1]); sl.set_redirect(False); sl.flows(); sl.down()
+
+Results are typed values (``_types.py``, ``_socklayer.py``), errors are
+``DataplaneError``.
 Heavy imports (bcc, pyroute2) happen only in the calls that need them; bcc
 only ever in a short-lived child process (``_bcc.py``).  Private modules:
 ``_pins`` (bpffs, adoption, staging), ``_maps`` (typed maps), ``_bpf`` (libbpf
 via ctypes), ``_netlink`` (pyroute2: clsact, filters, HTB), ``_compile``
-(policy -> map entries + HTB spec), ``_bcc`` (compile and load), and
-``classify`` (test runs of the real program, for the CLI and the tests).
+(policy -> map entries + HTB spec), ``_bcc`` (compile and load), ``_sock``
+(the socket layer's cgroup, pins, attachment and maps), and ``classify``
+(test runs of the real program, for the CLI and the tests).
 """
 
 from ._handle import Dataplane, link_exists
 from ._pins import PIN_ROOT, ensure_bpffs
+from ._socklayer import (
+    Endpoint,
+    SocketFlow,
+    SocketLayer,
+    SocketState,
+    SocketStats,
+    SocketStatus,
+    SocketUpResult,
+)
 from ._types import (
     ClassStatus,
     DataplaneStats,
@@ -43,9 +61,16 @@ __all__ = [
     "DataplaneStats",
     "DataplaneStatus",
     "DirectionCounters",
+    "Endpoint",
     "Flow",
     "FlowCensus",
     "HtbClassStats",
+    "SocketFlow",
+    "SocketLayer",
+    "SocketState",
+    "SocketStats",
+    "SocketStatus",
+    "SocketUpResult",
     "UpResult",
     "ensure_bpffs",
     "handle",

@@ -2,8 +2,10 @@
 
 bcc's rewriter turns ``map.lookup(&k)`` into map-fd calls only in the file it
 is given, not in headers it includes, so the quoted ``#include "..."`` lines
-of ``bpf/mm_tc.c`` are inlined here before the text goes to bcc (system
-``<...>`` includes are left to clang).  See docs/architecture.md.
+of an entry file are inlined here before the text goes to bcc (system
+``<...>`` includes are left to clang).  Two objects (``LAYERS``): the TC
+classifier (``bpf/mm_tc.c``) and the socket layer (``bpf/mm_sock.c``,
+docs/socklayer.md).  See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -13,12 +15,37 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._abi import MAP_NAMES, PROGRAMS, TUNABLES
+from .._abi import (
+    MAP_NAMES,
+    PROGRAMS,
+    SOCK_MAP_NAMES,
+    SOCK_PROGRAMS,
+    SOCK_TUNABLES,
+    TUNABLES,
+)
 from .._errors import DataplaneError, NotSupportedError
 
 BPF_DIR = Path(__file__).resolve().parent.parent.parent / "bpf"
 MAIN_SOURCE = BPF_DIR / "mm_tc.c"
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One BPF object: its entry file, programs (function -> bcc program
+    type), maps and tunables."""
+
+    source: str
+    programs: dict[str, str]
+    maps: tuple[str, ...]
+    tunables: dict[str, int]
+
+
+LAYERS: dict[str, Layer] = {
+    "tc": Layer("mm_tc.c", {p: "SCHED_CLS" for p in PROGRAMS.values()}, MAP_NAMES, TUNABLES),
+    "sock": Layer("mm_sock.c", {SOCK_PROGRAMS["sockops"]: "SOCK_OPS",
+                                SOCK_PROGRAMS["sk_msg"]: "SK_MSG"}, SOCK_MAP_NAMES, SOCK_TUNABLES),
+}
 
 
 def bpf_dir() -> Path:
@@ -50,24 +77,26 @@ def inline_source(path: Path, search: tuple[Path, ...] = (), _seen: set[Path] | 
     return "\n".join(out)
 
 
-def cflags_for(tunables: dict[str, int] | None = None, extra: list[str] | None = None) -> list[str]:
-    vals = dict(TUNABLES)
+def cflags_for(tunables: dict[str, int] | None = None, extra: list[str] | None = None,
+               layer: str = "tc") -> list[str]:
+    vals = dict(LAYERS[layer].tunables)
     vals.update(tunables or {})
     flags = [f"-D{k}={int(v)}" for k, v in sorted(vals.items())]
     flags.append("-Wno-unused-function")
     return flags + list(extra or [])
 
 
-def build_id(tunables: dict[str, int] | None = None, extra: list[str] | None = None) -> int:
+def build_id(tunables: dict[str, int] | None = None, extra: list[str] | None = None,
+             layer: str = "tc") -> int:
     """A 64-bit id of what would be compiled: the inlined source and the
     cflags.  Stamped into meta_map; a pinned dataplane with another build id
     is replaced, so fixed BPF code or new tunables always get loaded."""
     import hashlib
 
     root = bpf_dir()
-    text = inline_source(root / "mm_tc.c", (root, root / "include"))
+    text = inline_source(root / LAYERS[layer].source, (root, root / "include"))
     h = hashlib.sha256(text.encode())
-    h.update("\0".join(cflags_for(tunables, extra)).encode())
+    h.update("\0".join(cflags_for(tunables, extra, layer)).encode())
     return int.from_bytes(h.digest()[:8], "little")
 
 
@@ -89,10 +118,12 @@ class LoadedObject:
 
 
 def compile_and_load(
-    tunables: dict[str, int] | None = None, extra_cflags: list[str] | None = None
+    tunables: dict[str, int] | None = None, extra_cflags: list[str] | None = None,
+    layer: str = "tc",
 ) -> LoadedObject:
-    """Compiles bpf/mm_tc.c with bcc, loads both TC programs into the kernel
-    and returns duplicated fds, so bcc's object (and its memory) can go."""
+    """Compiles a layer's entry file (bpf/mm_tc.c: both TC programs;
+    bpf/mm_sock.c: sockops and sk_msg) with bcc, loads its programs into the
+    kernel and returns duplicated fds, so bcc's object (and its memory) can go."""
     try:
         import bcc  # noqa: PLC0415 - the one place bcc is imported
     except ImportError as e:  # pragma: no cover - set-up problem
@@ -101,20 +132,21 @@ def compile_and_load(
             "--system-site-packages venv)"
         ) from e
     root = bpf_dir()
-    text = inline_source(root / "mm_tc.c", (root, root / "include"))
+    spec = LAYERS[layer]
+    text = inline_source(root / spec.source, (root, root / "include"))
     try:
-        b = bcc.BPF(text=text.encode(), cflags=cflags_for(tunables, extra_cflags))
+        b = bcc.BPF(text=text.encode(), cflags=cflags_for(tunables, extra_cflags, layer))
     except Exception as e:  # bcc raises bare Exception on compile errors
         raise DataplaneError(22, f"BPF compile failed: {e}") from e
     obj = LoadedObject()
     try:
-        for name in PROGRAMS.values():
+        for name, prog_type in spec.programs.items():
             try:
-                fn = b.load_func(name.encode(), bcc.BPF.SCHED_CLS)
+                fn = b.load_func(name.encode(), getattr(bcc.BPF, prog_type))
             except Exception as e:
                 raise DataplaneError(22, f"BPF verifier rejected {name}: {e}") from e
             obj.prog_fds[name] = os.dup(fn.fd)
-        for name in MAP_NAMES:
+        for name in spec.maps:
             fd = bcc.libbcc.lib.bpf_table_fd(b.module, name.encode())
             if fd < 0:
                 raise DataplaneError(2, f"map {name} missing from the compiled object")
@@ -128,11 +160,11 @@ def compile_and_load(
 
 
 def compile_and_pin(directory: str, tunables: dict[str, int] | None = None,
-                    extra_cflags: list[str] | None = None) -> None:
+                    extra_cflags: list[str] | None = None, layer: str = "tc") -> None:
     """Compiles, loads and pins programs and maps under ``directory``."""
     from . import _bpf  # noqa: PLC0415
 
-    obj = compile_and_load(tunables, extra_cflags)
+    obj = compile_and_load(tunables, extra_cflags, layer)
     try:
         os.makedirs(directory, exist_ok=True)
         for name, fd in [*obj.map_fds.items(), *obj.prog_fds.items()]:
@@ -152,13 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("pin_dir")
     ap.add_argument("-D", dest="tunables", action="append", default=[],
                     help="tunable NAME=VALUE (see mmmesh/_abi.py TUNABLES)")
+    ap.add_argument("--layer", choices=sorted(LAYERS), default="tc",
+                    help="which object: the TC classifier or the socket layer")
     a = ap.parse_args(argv)
     tun: dict[str, int] = {}
     for t in a.tunables:
         k, _, v = t.partition("=")
         tun[k] = int(v, 0)
     try:
-        compile_and_pin(a.pin_dir, tun)
+        compile_and_pin(a.pin_dir, tun, layer=a.layer)
     except DataplaneError as e:
         print(f"mmmesh: {e}", file=sys.stderr)
         return 1

@@ -43,6 +43,9 @@ def _lib() -> ctypes.CDLL:
         "bpf_obj_get_info_by_fd": [ctypes.c_int, vp, u32p],
         "bpf_prog_test_run_opts": [ctypes.c_int, vp],
         "bpf_prog_get_fd_by_id": [ctypes.c_uint32],
+        "bpf_prog_attach": [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint],
+        "bpf_prog_detach2": [ctypes.c_int, ctypes.c_int, ctypes.c_int],
+        "bpf_prog_query": [ctypes.c_int, ctypes.c_int, ctypes.c_uint32, u32p, u32p, u32p],
         "libbpf_num_possible_cpus": [],
     }.items():
         f = getattr(lib, fn)
@@ -70,6 +73,31 @@ def obj_pin(fd: int, path: str) -> None:
 def obj_get(path: str) -> int:
     """Opens a pinned object; returns a new fd (the caller closes it)."""
     return _check(_lib().bpf_obj_get(path.encode()), f"open pinned {path}")
+
+
+# enum bpf_attach_type values used by the socket layer, and attach flags
+BPF_CGROUP_SOCK_OPS = 3
+BPF_SK_MSG_VERDICT = 7
+BPF_F_ALLOW_MULTI = 2
+
+
+def prog_attach(prog_fd: int, target_fd: int, attach_type: int, flags: int = 0) -> None:
+    """Attaches a program to a cgroup or a map (BPF_PROG_ATTACH, no link: it
+    stays attached after the process exits, until detached)."""
+    _check(_lib().bpf_prog_attach(prog_fd, target_fd, attach_type, flags), "attach program")
+
+
+def prog_detach(prog_fd: int, target_fd: int, attach_type: int) -> None:
+    _check(_lib().bpf_prog_detach2(prog_fd, target_fd, attach_type), "detach program")
+
+
+def prog_query(target_fd: int, attach_type: int, cap: int = 64) -> list[int]:
+    """Ids of the programs attached to a cgroup or map at ``attach_type``."""
+    ids = (ctypes.c_uint32 * cap)()
+    cnt, flags = ctypes.c_uint32(cap), ctypes.c_uint32()
+    _check(_lib().bpf_prog_query(target_fd, attach_type, 0, ctypes.byref(flags), ids,
+                                 ctypes.byref(cnt)), "query attached programs")
+    return [int(ids[i]) for i in range(min(cnt.value, cap))]
 
 
 class BpfProgInfo(ctypes.Structure):

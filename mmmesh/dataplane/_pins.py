@@ -17,6 +17,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 from .. import _abi
 from .._errors import DataplaneError, MeshError
@@ -91,15 +92,27 @@ def pinned_state(directory: str, want_build: int) -> str:
     return "adopt" if ok else "replace"
 
 
-def load_and_pin(directory: str, tunables: dict[str, int] | None, build: int) -> None:
+def _stamp_tc(directory: str, build: int) -> None:
+    maps = Maps.open_pinned(directory)
+    try:
+        maps.write_meta(build)
+    finally:
+        maps.close()
+
+
+def load_and_pin(directory: str, tunables: dict[str, int] | None, build: int, *,
+                 layer: str = "tc", stamp: Callable[[str, int], None] = _stamp_tc) -> None:
     """Compiles and pins into a staging directory in a child process (bcc and
     clang cost ~100 MB that a long-running caller should not keep), stamps
-    it, and only then swaps it for whatever was pinned before: a failed
-    compile leaves a working dataplane reachable."""
+    it (``stamp(dir, build)``: the layer's meta map), and only then swaps it
+    for whatever was pinned before: a failed compile leaves a working
+    dataplane reachable.  ``layer`` names the object (``_bcc.LAYERS``)."""
     # bpffs refuses names with a dot; '%' is not something ifnames use
     staging = os.path.join(os.path.dirname(directory), "%new%" + os.path.basename(directory))
     unpin(staging)
     cmd = [sys.executable, "-m", "mmmesh.dataplane._bcc", staging]
+    if layer != "tc":
+        cmd += ["--layer", layer]
     for k, v in sorted((tunables or {}).items()):
         cmd += ["-D", f"{k}={int(v)}"]
     try:
@@ -110,11 +123,7 @@ def load_and_pin(directory: str, tunables: dict[str, int] | None, build: int) ->
         if proc.returncode != 0:
             msg = (proc.stderr.strip().splitlines() or ["compiler process failed"])[-1]
             raise DataplaneError(errno.EINVAL, f"loading the BPF programs failed: {msg}")
-        maps = Maps.open_pinned(staging)
-        try:
-            maps.write_meta(build)
-        finally:
-            maps.close()
+        stamp(staging, build)
         try:
             unpin(directory)
             os.rename(staging, directory)
