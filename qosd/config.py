@@ -21,6 +21,8 @@ from pydantic_settings import (
 )
 
 from mmmesh._net import parse_hostport
+from mmmesh.policy import Rate
+from mmmesh.policy._types import IfName
 
 from .reporters import DEFAULT_REPORTERS, ReporterRule
 from .slaquota import SlaLimits
@@ -103,6 +105,15 @@ class PeersConfig(BaseModel):
         return Config(**values)  # type: ignore[arg-type]  # Config checks each value
 
 
+class MeshLink(BaseModel):
+    """This node's uplink for mesh-wide policies (``mmmeshctl policy apply --cluster``):
+    the fields given replace the policy's ``link`` (docs/policy.md, "Mesh-wide and
+    per-node fields"); without ``mesh_link`` the policy's link is applied as written."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: IfName | None = Field(default=None, description="interface to shape")
+    rate: Rate | None = Field(default=None, description="its capacity, bit/s (tc units)")
 
 
 class QosdConfig(BaseSettings):
@@ -147,6 +158,9 @@ class QosdConfig(BaseSettings):
     log_level: str = Field(default="INFO")
     peers: PeersConfig | None = Field(default=None, description="membership in the mesh "
                                       "(gRPC, mTLS); none: this node runs alone")
+    mesh_link: MeshLink | None = Field(
+        default=None, description="this node's link for mesh-wide policies (device, rate); "
+        "none: the policy's link as written")
 
     @field_validator("api_tcp", "metrics_addr")
     @classmethod

@@ -179,6 +179,31 @@ class StoreService:
         view.local_windows(self.sla_board.view(now), 0.0, wall=now, members=1)
         return view.snapshot(0.0, nodes=nodes)
 
+    def cluster_rollout(self) -> Any:
+        """The rollout provider (PUT /v1/cluster/policy, GET /v1/cluster/rollout)
+        of a mesh of this node alone: a real mmmesh.cluster.rollout core over a
+        real membership core; its realisations succeed without touching the
+        store (only PUT /v1/policy and rollback move the node's version here)."""
+        self._enter("cluster_rollout")
+        provider = getattr(self, "_rollout", None)
+        if provider is None:
+            import random
+            import threading
+
+            from mmmesh.cluster import Config, Membership
+            from mmmesh.cluster.rollout import Realise, Rollout, RolloutProvider, locked
+
+            core = Rollout(Membership(Config(), "node-a", "127.0.0.1:7946", random.Random(0)),
+                           random.Random(0))
+
+            def host(actions: list[Any]) -> None:
+                for a in actions:
+                    if isinstance(a, Realise):
+                        host(core.on_realised(a.version, True, "", time.monotonic()))
+
+            provider = self._rollout = RolloutProvider(core, locked(threading.Lock()), host)
+        return provider
+
     def healthy(self) -> bool:
         self._enter("healthy")
         return True

@@ -61,6 +61,7 @@ def test_openapi_describes_the_api(service: StoreService, tmp_path: Path) -> Non
         "/v1/flows/top", "/v1/sla", "/healthz", "/readyz",
         "/v1/cluster/members",  # qosd/api/cluster.py
         "/v1/cluster/sla",  # qosd/api/cluster_sla.py
+        "/v1/cluster/policy", "/v1/cluster/rollout",  # qosd/api/cluster_policy.py
     }
     schemas = doc["components"]["schemas"]
     assert "HTTPValidationError" not in schemas  # our 422 body is documented instead

@@ -467,4 +467,4 @@ def test_console_entry_point(node: Node, files: dict[str, str], tmp_path: Path) 
     # and what the bash script runs on <TAB>
     r = run(extra={"_MMMESHCTL_COMPLETE": "complete_bash", "COMP_WORDS": "mmmeshctl policy ro",
                    "COMP_CWORD": "2"})
-    assert (r.returncode, r.stdout) == (0, "rollback\n"), r
+    assert (r.returncode, r.stdout) == (0, "rollout\nrollback\n"), r

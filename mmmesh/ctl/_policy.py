@@ -1,4 +1,5 @@
-"""``mmmeshctl policy ...``: validate, apply, diff, get, history, rollback."""
+"""``mmmeshctl policy ...``: validate, apply, diff, get, history, rollback; and
+mesh-wide (``apply --cluster``, ``rollout``: mmmesh/ctl/_cluster_policy.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Annotated, NoReturn
 import typer
 
 from ._client import Conn, RequestLost, conn_of
+from ._cluster_policy import apply_cluster, show_rollout
 from ._exit import EXIT, fail
 from ._fast import FastCommand, FastGroup
 from ._render import (
@@ -74,6 +76,12 @@ def policy_apply(
     filename: FileOpt,
     base_version: BaseOpt = None,
     author: AuthorOpt = None,
+    cluster: Annotated[bool, typer.Option(
+        "--cluster", help="roll it out to every member of the mesh and wait for their "
+                          "ACK/NACK (exit 0 all ACK, 3 a NACK, 4 superseded, 5 timeout)")] = False,
+    wait: Annotated[float, typer.Option(
+        "--timeout", min=0.0, metavar="SECONDS",
+        help="with --cluster: wait this long for every member's answer")] = 30.0,
 ) -> None:
     """Apply a policy file as a new version (validated whole, then reconciled).
 
@@ -82,8 +90,15 @@ def policy_apply(
       mmmeshctl policy apply -f examples/policy.yaml
 
       mmmeshctl policy apply -f edited.yaml --base-version 3   [dim]# exit 4 if someone was faster[/dim]
+
+      mmmeshctl policy apply -f policy.yaml --cluster --timeout 60   [dim]# the whole mesh[/dim]
     """
     text = _read_file(filename)
+    if cluster:
+        if base_version is not None:
+            fail(EXIT.USAGE, "error: --base-version is a node's version; with --cluster "
+                             "use the API's base_version (a mesh version, e.g. 12@node-a)")
+        apply_cluster(conn_of(ctx), text, author or _default_author(), wait)
     body = {"yaml": text, "base_version": base_version, "author": author or _default_author()}
     conn = conn_of(ctx)
     try:
@@ -231,6 +246,25 @@ def policy_history(ctx: typer.Context, output: ListOutputOpt = ListOutput.table)
         return
     current = conn.request("GET", "/v1/status").get("policy_version")
     console().print(history_table(res["versions"], current))
+
+
+@policy_app.command(cls=FastCommand, name="rollout")
+def policy_rollout(
+    ctx: typer.Context,
+    version: Annotated[str | None, typer.Option(
+        "--version", metavar="VERSION", help="a mesh version (12@node-a) instead of the "
+                                            "desired one")] = None,
+    output: ListOutputOpt = ListOutput.table,
+) -> None:
+    """The mesh-wide rollout: each member's ACK/NACK of the desired mesh version.
+
+    [bold]Examples[/bold]
+
+      mmmeshctl policy rollout
+
+      mmmeshctl policy rollout --version 12@node-a -o json
+    """
+    show_rollout(conn_of(ctx), version, output is ListOutput.json)
 
 
 @policy_app.command(cls=FastCommand, name="rollback")

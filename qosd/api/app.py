@@ -23,6 +23,7 @@ from ..errors import NotFoundError
 from ..identity import ADMIN, ReportRefused, Sender, peer_of
 from ..model import Service
 from .cluster import cluster_routes
+from .cluster_policy import add_cluster_policy_routes
 from .cluster_sla import add_cluster_sla_route
 from .errors import (
     E401,
@@ -233,6 +234,7 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     _status_routes(v1, service)
     add_cluster_sla_route(v1, service)
     cluster_routes(v1, service)
+    add_cluster_policy_routes(v1, service)
     app.include_router(v1)
     _health_routes(app, service)
     install_handlers(app, [*SLA_HANDLERS, *SERVICE_HANDLERS, *REQUEST_HANDLERS])
