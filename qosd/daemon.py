@@ -189,6 +189,10 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
 
         svc.cluster_sla_app = ClusterSla(peers, svc.sla_board, svc.p99_targets)
         await svc.cluster_sla_app.start()
+        from .cluster_rollout import ClusterRollout  # mesh-wide policy (section "rollout")
+
+        svc.cluster_rollout_app = ClusterRollout(peers, svc)
+        await svc.cluster_rollout_app.start()
     servers: list[ApiServer] = []
     if cfg.metrics_addr:
         host, port = parse_hostport(cfg.metrics_addr, default_host="0.0.0.0",
@@ -253,8 +257,9 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
     await stop.wait()
     log.info("stopping (the dataplane stays; the next qosd adopts it)")
     sd_notify("STOPPING=1")
-    if svc.cluster_sla_app is not None:
-        await svc.cluster_sla_app.stop()
+    for app in (svc.cluster_rollout_app, svc.cluster_sla_app):
+        if app is not None:
+            await app.stop()
     if peers is not None:
         await peers.stop()  # a graceful leave: members mark this node left, not dead
     await asyncio.gather(*(srv.stop_async() for srv in servers), *tasks,

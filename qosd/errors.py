@@ -3,6 +3,7 @@
     MeshError
     └── QosdError
         ├── ConflictError          base_version is not the current version
+        ├── MeshManagedError       a node-local apply on a node that follows a mesh policy
         ├── NotFoundError          no such policy version
         ├── UnrealizableError      valid policy that this node cannot apply
         │                          (device missing, guarantees above link rate)
@@ -26,6 +27,18 @@ class ConflictError(QosdError):
             f"policy changed: your edit is based on version {base_version}, "
             f"the current version is {current_version}"
         )
+
+
+class MeshManagedError(QosdError):
+    """This node runs a mesh-wide policy (``mmmeshctl policy apply --cluster``):
+    a node-local apply or rollback would be taken back by the next rollout
+    step, so it is refused."""
+
+    def __init__(self, mesh_version: str) -> None:
+        self.mesh_version = mesh_version
+        super().__init__(
+            f"this node follows the mesh policy {mesh_version}: change it for the whole "
+            "mesh (mmmeshctl policy apply --cluster), not on one node")
 
 
 class NotFoundError(QosdError, KeyError):

@@ -24,7 +24,7 @@ from mmmesh.policy import Policy, parse_policy
 from mmmesh.slareport import SlaReport
 
 from .config import QosdConfig
-from .errors import StoreCorruptError
+from .errors import MeshManagedError, StoreCorruptError
 from .identity import ADMIN, Peer, ReportRefused, Sender, SenderResolver
 from .model import FlowRow, PolicyVersion, ReconcileResult
 from .reconciler import Reconciler
@@ -48,6 +48,7 @@ class QosdService:
         self.sla_board = SlaBoard(cfg.sla_limits, cfg.sla_reporters)
         self.peers: Any = None  # qosd.peers.Peers with a peers: section (qosd/peers: start_peers)
         self.cluster_sla_app: Any = None  # qosd.cluster_sla.ClusterSla, with the peers
+        self.cluster_rollout_app: Any = None  # qosd.cluster_rollout.ClusterRollout, likewise
 
     # ---------------------------------------------------------- startup
     def start(self) -> ReconcileResult | None:
@@ -119,6 +120,7 @@ class QosdService:
 
     def apply(self, text: str, base_version: int | None = None, author: str | None = None
               ) -> tuple[PolicyVersion, ReconcileResult]:
+        self._refuse_if_mesh_managed()
         pol = self.validate(text)
         return self._apply_policy(pol, base_version, author, None, "apply")
 
@@ -146,6 +148,24 @@ class QosdService:
                 raise
             return pv, res
 
+    def apply_mesh(self, pol: Policy, note: str, author: str) -> PolicyVersion:
+        """Applies a mesh-wide version (localised and checked by the rollout
+        host): like ``apply``, with the mesh version in the version's note."""
+        pv, _ = self._apply_policy(pol, None, author, note, "cluster")
+        return pv
+
+    def _refuse_if_mesh_managed(self) -> None:
+        app = self.cluster_rollout_app
+        desired = app.rollout.desired if app is not None else None
+        if desired is not None:
+            raise MeshManagedError(str(desired.version))
+
+    def cluster_rollout(self) -> Any:
+        """The rollout provider (PUT /v1/cluster/policy, GET /v1/cluster/rollout);
+        None without peers."""
+        app = self.cluster_rollout_app
+        return app.provider if app is not None else None
+
     def _abandon(self, pv: PolicyVersion) -> None:
         with contextlib.suppress(StoreCorruptError):
             self.store.abandon(pv)
@@ -164,6 +184,7 @@ class QosdService:
 
     def rollback(self, to_version: int, base_version: int | None = None,
                  author: str | None = None) -> tuple[PolicyVersion, ReconcileResult]:
+        self._refuse_if_mesh_managed()
         old = self.store.get(to_version)
         self.reconciler.check_realizable(old.policy)
         return self._apply_policy(old.policy, base_version, author, f"rollback to {to_version}",

@@ -4,6 +4,7 @@ becomes one, and the error responses each route declares in OpenAPI.
     PolicyError         422 invalid_policy     errors: [[field, message], ...]
     UnrealizableError   422 unrealizable       errors: [[field, message], ...]
     ConflictError       409 conflict           base_version, current_version
+    MeshManagedError    409 mesh_managed       mesh_version (a node-local apply under a mesh policy)
     NotFoundError       404 not_found
     DataplaneError      503 dataplane          (logged)
     StoreCorruptError   500 store              (logged)
@@ -29,7 +30,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmmesh._errors import DataplaneError, MeshError, PolicyError, field_path
 
-from ..errors import ConflictError, NotFoundError, StoreCorruptError, UnrealizableError
+from ..errors import (
+    ConflictError,
+    MeshManagedError,
+    NotFoundError,
+    StoreCorruptError,
+    UnrealizableError,
+)
 from .models import MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)
@@ -98,6 +105,11 @@ async def _on_conflict(_: Request, exc: Exception) -> JSONResponse:
                           current_version=exc.current_version)
 
 
+async def _on_mesh_managed(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, MeshManagedError)
+    return error_response(409, "mesh_managed", str(exc), mesh_version=exc.mesh_version)
+
+
 async def _on_not_found(_: Request, exc: Exception) -> JSONResponse:
     return error_response(404, "not_found", str(exc))
 
@@ -161,6 +173,7 @@ SERVICE_HANDLERS: list[tuple[type[Exception], Handler]] = [
     (PolicyError, _on_policy_error),
     (UnrealizableError, _on_unrealizable),
     (ConflictError, _on_conflict),
+    (MeshManagedError, _on_mesh_managed),
     (NotFoundError, _on_not_found),
     (DataplaneError, _on_dataplane),
     (StoreCorruptError, _on_store),
