@@ -152,6 +152,10 @@ class QosdConfig(BaseSettings):
                                      description="host:port of the Prometheus endpoint")
     resync_interval_s: float = Field(default=10.0, gt=0, le=3600,
                                      description="periodic drift check and repair")
+    sla_controller_period_s: float = Field(
+        default=5.0, gt=0, le=3600,
+        description="the SLA controller's window (docs/controller.md); the sidecars' "
+        "report interval")
     initial_policy: Path | None = Field(
         default=None, description="policy applied at first start, when the store is empty")
     history_limit: int = Field(default=50, ge=2, le=10000)

@@ -243,12 +243,26 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
             except Exception as e:  # keep the loop alive, report
                 log.error("resync failed: %s", e)
 
+    async def controller_loop() -> None:
+        """One SLA-controller window every law period (docs/controller.md)."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=svc.sla_controller.period_s)
+            except asyncio.TimeoutError:
+                pass
+            if stop.is_set():
+                return
+            try:
+                await run_in_threadpool(svc.sla_controller.step)
+            except Exception:  # keep the loop alive, report
+                log.exception("SLA controller step failed")
+
     async def flush_logs() -> None:
         while log_filter is not None:
             await asyncio.sleep(log_filter.limiter.interval_s)
             log_filter.flush()
 
-    tasks = [asyncio.create_task(resync_loop())]
+    tasks = [asyncio.create_task(resync_loop()), asyncio.create_task(controller_loop())]
     background = [asyncio.create_task(flush_logs())]
     watchdog = Watchdog.from_env()
     if watchdog is not None:

@@ -37,6 +37,9 @@ class Reconciler:
         self.cfg = cfg
         self._lock = threading.RLock()
         self._last_good: PolicyVersion | None = None
+        # the SLA controller's adapted parameters for the last good version:
+        # what the kernel holds instead of the version's own (docs/controller.md)
+        self._adapted: tuple[int, Policy] | None = None
         self.last_result: ReconcileResult | None = None
         self.adopted: bool = False
         self._device: str | None = None  # device the last good version is on
@@ -47,6 +50,23 @@ class Reconciler:
     def last_good(self) -> PolicyVersion | None:
         """The version the kernel holds (None before the first success)."""
         return self._last_good
+
+    def kernel_policy(self, pv: PolicyVersion) -> Policy:
+        """What the kernel should hold for ``pv``: the controller's adapted
+        parameters when they are for this version, else its own."""
+        adapted = self._adapted
+        return adapted[1] if adapted is not None and adapted[0] == pv.version else pv.policy
+
+    def adapt(self, version: int, effective: Policy | None) -> ReconcileResult | None:
+        """The SLA controller's parameters for ``version`` (None: the policy's
+        own): written to the kernel now if ``version`` is the last good one
+        (the store does not change; a new version starts from its own)."""
+        with self._lock:
+            good = self._last_good
+            if good is None or good.version != version:
+                return None
+            self._adapted = (version, effective) if effective is not None else None
+            return self.apply(good, "adapt")
 
     def dataplane(self, device: str) -> Dataplane:
         return Dataplane(device, self.cfg.netns)
@@ -110,7 +130,7 @@ class Reconciler:
 
     def _up(self, pv: PolicyVersion) -> None:
         dev = pv.policy.link.device
-        r = self.dataplane(dev).up(pv.policy, version=pv.version)
+        r = self.dataplane(dev).up(self.kernel_policy(pv), version=pv.version)
         if self._last_good is None:
             self.adopted = r.adopted
             if self._on_adoption is not None:
@@ -143,7 +163,7 @@ class Reconciler:
         pv = self._last_good
         if pv is None:
             return []
-        return self.dataplane(pv.policy.link.device).drift(pv.policy, pv.version)
+        return self.dataplane(pv.policy.link.device).drift(self.kernel_policy(pv), pv.version)
 
     def resync(self) -> ReconcileResult | None:
         """Repairs drift; returns a result when it had to act."""

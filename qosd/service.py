@@ -45,6 +45,9 @@ class QosdService:
         self._flow_prev: dict[tuple[Any, ...], tuple[int, float]] = {}
         self._flow_lock = threading.Lock()
         self.sla_senders = SenderResolver()
+        from .controller import SlaController
+
+        self.sla_controller = SlaController(self)
         self.sla_board = SlaBoard(cfg.sla_limits, cfg.sla_reporters)
         self.peers: Any = None  # qosd.peers.Peers with a peers: section (qosd/peers: start_peers)
         self.cluster_sla_app: Any = None  # qosd.cluster_sla.ClusterSla, with the peers
@@ -264,6 +267,10 @@ class QosdService:
     def sla(self) -> dict[str, Any]:
         """{"instances", "stages", "classes", "skipped"}: qosd/slaboard.py."""
         return self.sla_board.view()
+
+    def sla_explain(self) -> dict[str, Any] | None:
+        """The SLA controller's explanation (GET /v1/sla/explain); None before a policy."""
+        return self.sla_controller.explain()
 
     def p99_targets(self) -> dict[str, float] | None:
         """Each class's p99 objective (ms) in the current policy."""

@@ -58,7 +58,7 @@ def test_openapi_describes_the_api(service: StoreService, tmp_path: Path) -> Non
     assert set(doc["paths"]) == {
         "/v1/policy", "/v1/policy/validate", "/v1/policy/diff", "/v1/policy/history",
         "/v1/policy/versions/{version}", "/v1/policy/rollback", "/v1/status",
-        "/v1/flows/top", "/v1/sla", "/healthz", "/readyz",
+        "/v1/flows/top", "/v1/sla", "/v1/sla/explain", "/healthz", "/readyz",
         "/v1/cluster/members",  # qosd/api/cluster.py
         "/v1/cluster/sla",  # qosd/api/cluster_sla.py
         "/v1/cluster/policy", "/v1/cluster/rollout",  # qosd/api/cluster_policy.py

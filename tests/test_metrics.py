@@ -418,7 +418,7 @@ def test_qosd_metrics_observations() -> None:
     t0 = time.time()
     qm = QosdMetrics(registry, node="node-a", resync_interval_s=7.5)
     s = scrape(registry)
-    for trig in ("apply", "rollback", "resync", "startup", "restore"):  # at 0 from the start
+    for trig in ("apply", "rollback", "resync", "startup", "restore", "adapt", "cluster"):
         assert value(s, "mmmesh_reconciles_total", trigger=trig) == 0
     for res in ("adopted", "loaded", "replaced"):
         assert value(s, "mmmesh_adoptions_total", result=res) == 0

@@ -15,6 +15,7 @@ from ._exit import PROG, say
 from ._fast import FastCommand, FastGroup
 from ._node import flows_app, status
 from ._policy import policy_app
+from ._sla import sla_app
 
 __all__ = ["app", "main"]
 
@@ -44,6 +45,7 @@ app.add_typer(policy_app, name="policy")
 app.command(cls=FastCommand, name="status")(status)
 app.add_typer(flows_app, name="flows")
 app.add_typer(cluster_app, name="cluster")
+app.add_typer(sla_app, name="sla")
 
 
 @app.callback()

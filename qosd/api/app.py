@@ -186,6 +186,16 @@ def _status_routes(v1: APIRouter, service: Service) -> None:
     async def get_sla() -> SlaView:
         return SlaView.model_validate(await run_in_threadpool(service.sla))
 
+    @v1.get("/sla/explain", responses={**E404}, tags=["sla"],
+            summary="the SLA controller: per class measured vs objective, parameters vs "
+            "the policy's, the last decisions and why (docs/controller.md)")
+    async def sla_explain() -> dict[str, Any]:
+        explain = getattr(service, "sla_explain", None)
+        data = await run_in_threadpool(explain) if explain is not None else None
+        if data is None:
+            raise NotFoundError("the SLA controller has no policy yet")
+        return data  # type: ignore[no-any-return]
+
 
 def _health_routes(app: FastAPI, service: Service) -> None:
     """``/healthz`` (never needs a token) and ``/readyz``: 200 or 503 ``{"ok"}``."""

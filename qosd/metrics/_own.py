@@ -25,7 +25,7 @@ from mmmesh import _abi
 from ..model import ReconcileResult
 from ._spec import Spec
 
-RECONCILE_TRIGGERS = ("apply", "rollback", "resync", "startup", "restore")
+RECONCILE_TRIGGERS = ("apply", "rollback", "resync", "startup", "restore", "adapt", "cluster")
 ADOPTION_RESULTS = ("adopted", "loaded", "replaced")
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BUILD_LABELS = ("version", "abi", "bpf_build", "python", "node")

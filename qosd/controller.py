@@ -1,0 +1,132 @@
+"""The SLA controller in qosd: ``mmmesh.controller.Controller`` fed once a
+window and its decisions written to the kernel (docs/controller.md).
+
+Input: the global SLA view when the node has peers (``service.cluster_sla``:
+every node's windows, merged), else the node's own board.  Both hold only
+windows that qosd tied to their sender (docs/operations.md, "SLA reports"),
+or that came from a peer over mutual TLS; and whatever they say, the
+controller moves a class only inside the bounds its policy allows.
+
+Output: when a decision changes a class's parameters, the reconciler writes
+``effective_policy(policy, decision.classes)`` to the kernel under the same
+store version (``Reconciler.adapt``: drift repair then keeps the adapted
+values, and a new version starts from its own).  The per-stage weights are
+kept for the kernel's override map (``Dataplane`` overrides) and shown by
+``explain``.
+
+The state survives a restart: it is written (atomically) to
+``state_dir/controller.json`` after every window and taken back at start if
+it still applies (same policy, same law, not older than the expiry horizon:
+``Controller.restore`` says why not otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from mmmesh._errors import MeshError
+from mmmesh._files import write_atomic
+from mmmesh.controller import (
+    Controller,
+    Decision,
+    Law,
+    effective_policy,
+    from_board,
+    from_cluster,
+)
+from mmmesh.controller._explain import render
+
+log = logging.getLogger("qosd.controller")
+
+STATE_FILE = "controller.json"
+
+
+class SlaController:
+    """One controller for the node's current policy version."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self.path = Path(service.cfg.state_dir) / STATE_FILE
+        self._lock = threading.Lock()
+        self._ctrl: Controller | None = None
+        self._version = 0
+        self.last: Decision | None = None
+        self.note = ""
+        self.law = Law(period_s=float(service.cfg.sla_controller_period_s))
+
+    @property
+    def period_s(self) -> float:
+        return self.law.period_s
+
+    def _controller(self, now: float) -> Controller | None:
+        """The controller of the current version (restored, new or kept)."""
+        cur = self.service.store.current()
+        if cur is None:
+            return None
+        if self._ctrl is not None and self._version == cur.version:
+            return self._ctrl
+        if self._ctrl is None:
+            saved: Any = None
+            try:
+                saved = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                pass
+            self._ctrl, self.note = Controller.restore(cur.policy, saved, now, self.law)
+            log.info("SLA controller: %s", self.note)
+        else:
+            self._ctrl.set_policy(cur.policy)
+            self.note = f"policy version {cur.version}: started from its own values"
+        self._version = cur.version
+        return self._ctrl
+
+    def _input(self, now: float) -> Any:
+        view = self.service.cluster_sla(nodes=True)
+        if view is not None:
+            members = self.service.peers.members() if self.service.peers else []
+            live = [m for m in members if str(getattr(m.state, "name", m.state)).lower()
+                    in ("alive", "suspect")]
+            suspect = sum(1 for m in live if str(getattr(m.state, "name", m.state)).lower()
+                          == "suspect")
+            return from_cluster(view, now, suspect / max(1, len(live)))
+        return from_board(self.service.sla_board.view(), now)
+
+    def step(self) -> Decision | None:
+        """One window: judge, decide, write what changed, keep the state."""
+        with self._lock:
+            now = time.time()
+            ctrl = self._controller(now)
+            if ctrl is None:
+                return None
+            decision = ctrl.step(self._input(now))
+            self.last = decision
+            if decision.changed:
+                cur = self.service.store.current()
+                try:
+                    self.service.reconciler.adapt(
+                        self._version, effective_policy(cur.policy, decision.classes))
+                    log.info("SLA controller: window %d: %s", decision.window,
+                             ", ".join(decision.changed))
+                except MeshError as e:
+                    log.error("SLA controller: writing window %d failed: %s",
+                              decision.window, e)
+            try:
+                write_atomic(self.path, json.dumps(ctrl.snapshot()), mode=0o600)
+            except OSError as e:
+                log.warning("SLA controller: state not saved: %s", e)
+            return decision
+
+    def explain(self) -> dict[str, Any] | None:
+        """``explain()`` of the controller (None before any policy), with the
+        restore note and the text ``mmmeshctl sla explain`` prints."""
+        with self._lock:
+            if self._ctrl is None:
+                return None
+            data = self._ctrl.explain()
+            data["note"] = self.note
+            data["text"] = render(data)
+            return data
