@@ -57,6 +57,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "stages on three nodes) and report SLA attainment per modality")
     parser.add_argument("--flood", type=float, default=0.5,
                         help="--pipeline: video flood as a fraction of the link (default 0.5)")
+    parser.add_argument("--mesh", action=argparse.BooleanOptionalAction, default=True,
+                        help="--pipeline: one qosd per node, joined as a mesh; ends with the "
+                             "global SLA view, mmmeshctl cluster sla (default; --no-mesh: "
+                             "without qosd)")
     parser.set_defaults(func=_run)
 
 

@@ -12,6 +12,8 @@ Every stage is an mmmesh sidecar (``sidecar.main.Sidecar``) in its own
 process inside its node's namespace, configured by the YAML files in
 ``examples/pipeline/config/``; the stages are ``examples/pipeline/stages.py``
 and the ONNX models ``make_onnx.py`` builds (into a temporary directory).
+The processes are ``pipeline_procs.py``'s; the edge forwards between its two
+links, so every node reaches every other.
 
 The sensors' uplink is shaped to ``rate`` with the mesh off (one HTB class
 and one FIFO: ``netlab.Lab.apply_fifo``), then with the mesh on
@@ -20,9 +22,14 @@ and one FIFO: ``netlab.Lab.apply_fifo``), then with the mesh on
 frames the sensors produced that reached fusion on the core node within
 their deadline (audio 50 ms, video 200 ms, LiDAR 150 ms after capture).
 
-    mmmesh demo --pipeline [--rate 300mbit] [--duration 8] [--flood 0.5] [--json]
+    mmmesh demo --pipeline [--rate 300mbit] [--duration 8] [--flood 0.5] [--no-mesh] [--json]
 
-(the command line and the table are in ``pipeline_cli.py``).
+(the command line and the table are in ``pipeline_cli.py``).  With ``mesh``
+(the default; ``--no-mesh`` leaves qosd out) the three nodes are a mesh, one
+qosd each (``pipeline_mesh.py``):
+the stages report their SLA windows to their node's qosd in the mesh-on
+phase (the last one), the sensors' qosd applies the policy, and the results
+end with the global SLA view (``mmmeshctl cluster sla``).
 
 Needs root.  Namespaces are removed, and every process stopped, on exit,
 failure, Ctrl-C and SIGTERM.
@@ -30,49 +37,48 @@ failure, Ctrl-C and SIGTERM.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import math
 import os
-import socket
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..dataplane import Dataplane, DataplaneStatus, handle
+from ..dataplane import Dataplane, handle
 from .netlab import Lab
-from .testbed import Child, Ctl, NetnsLab
+from .pipeline_procs import (
+    EXAMPLE_DIR,
+    MODALITIES,
+    STREAM_ID,
+    SourceSpec,
+    collector_child,
+    examples_importable,
+    flood_sink_child,
+    sensors_child,
+    sidecar_child,
+)
+from .testbed import NO_IPV6, Child, NetnsLab
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE_DIR = REPO / "examples" / "pipeline"
+if TYPE_CHECKING:
+    from .pipeline_mesh import PipelineMesh
+
 CONFIG_DIR = EXAMPLE_DIR / "config"
 
 UPLINK = "up0"  # sensors -> edge: the shaped uplink
 EDGE_IF, EDGE_CORE_IF, CORE_IF = "eth0", "core0", "eth0"
 SENSORS_ADDR, EDGE_ADDR = "10.202.1.1", "10.202.1.2"
 EDGE_CORE_ADDR, CORE_ADDR = "10.202.2.1", "10.202.2.2"
+SENSORS_NET, CORE_NET = "10.202.1.0/24", "10.202.2.0/24"
 FLOOD_PORT = 9500
 RESULTS_PORT = 9300
-STREAM_ID = 1  # the three sensor streams of one scene share it; fusion keys on it
+REPORT_ONCE_S = 3600.0  # a sidecar's SLA window: longer than a phase, so one report, at its stop
 
-# modality -> (stage config file, wire modality byte, deadline ms, SLA class name)
-MODALITIES: dict[str, tuple[str, int, float, str]] = {
-    "audio": ("audio.yaml", 4, 50.0, "voice"),
-    "video": ("vision.yaml", 3, 200.0, "video"),
-    "lidar": ("lidar.yaml", 5, 150.0, "lidar"),
-}
 STAGE_FILES = ("vision.yaml", "audio.yaml", "lidar.yaml", "fusion.yaml", "decoder.yaml")
 EDGE_STAGES = ("vision.yaml", "audio.yaml", "lidar.yaml")
 CORE_STAGES = ("fusion.yaml", "decoder.yaml")
-
-
-def examples_importable() -> None:
-    """Puts the source tree on sys.path so ``examples.pipeline`` imports."""
-    if (EXAMPLE_DIR / "stages.py").is_file() and str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
 
 
 # --------------------------------------------------------------------------
@@ -90,6 +96,7 @@ class PipelineConfig:
     policy_path: str | None = None  # None: examples/policy.yaml
     exact_ticks: int = 0  # > 0: that many ticks of exact seeded data (tests), else cycled
     phases: tuple[str, ...] = ("off", "on")  # "off", "on", "none" (unshaped)
+    mesh: bool = True  # one qosd per node, joined as a mesh (pipeline_mesh.py)
     deadlines_ms: dict[str, float] = field(
         default_factory=lambda: {m: v[2] for m, v in MODALITIES.items()})
 
@@ -111,8 +118,8 @@ def load_stage_configs(onnx_dir: Path, config_dir: Path = CONFIG_DIR) -> dict[st
 
 def pipeline_policy(path: str | None, device: str, rate_bps: int) -> Any:
     """examples/policy.yaml on ``device`` at ``rate_bps``; when the link is below
-    the sum of the classes' guarantees, every guarantee is scaled down alike
-    (to 90 % of the link) so the policy still fits."""
+    the sum of the classes' guarantees, every guarantee (and its ``adapt.rate``
+    range) is scaled down alike (to 90 % of the link) so the policy still fits."""
     from ..policy import Rate, load_policy, parse_policy
     from .scenario import find_policy
 
@@ -122,10 +129,19 @@ def pipeline_policy(path: str | None, device: str, rate_bps: int) -> Any:
     total = sum(int(Rate(c["rate"])) for c in data["classes"])
     if total > 0.9 * rate_bps:
         k = 0.9 * rate_bps / total
+
+        def scaled(r: Any) -> str:
+            return str(Rate(max(1000, int(int(Rate(r)) * k))))
+
         for c in data["classes"]:
-            c["rate"] = str(Rate(max(1000, int(int(Rate(c["rate"])) * k))))
+            c["rate"] = scaled(c["rate"])
             if c.get("ceil") is not None:
                 c["ceil"] = str(Rate(min(int(Rate(c["ceil"])), rate_bps)))
+            adapt = c.get("adapt") or {}
+            if adapt.get("rate"):
+                adapt["rate"] = [scaled(r) for r in adapt["rate"]]
+            if adapt.get("ceil"):
+                adapt["ceil"] = [str(Rate(min(int(Rate(r)), rate_bps))) for r in adapt["ceil"]]
     return parse_policy(data)
 
 
@@ -155,11 +171,13 @@ class Topology(NetnsLab):
         return self.sensors, UPLINK
 
     def create(self) -> None:
-        self._create_namespaces({})
+        # the edge routes between its links: sensors and core reach each other through it
+        self._create_namespaces({self.edge: {**NO_IPV6, "net/ipv4/ip_forward": "1"}})
         with Lab(self.sensors) as nl:
             nl.loopback_up()
             nl.add_veth(UPLINK, EDGE_IF, self.edge)
             nl.configure(UPLINK, f"{SENSORS_ADDR}/24")
+            nl.add_route(CORE_NET, EDGE_ADDR)
         with Lab(self.edge) as nl:
             nl.loopback_up()
             nl.configure(EDGE_IF, f"{EDGE_ADDR}/24")
@@ -168,194 +186,12 @@ class Topology(NetnsLab):
         with Lab(self.core) as nl:
             nl.loopback_up()
             nl.configure(CORE_IF, f"{CORE_ADDR}/24")
+            nl.add_route(SENSORS_NET, EDGE_CORE_ADDR)
 
-
-# --------------------------------------------------------------------------
-# Child processes (first argument: Ctl; they stop by themselves at a deadline)
-# --------------------------------------------------------------------------
-def _run_async(coro: Coroutine[Any, Any, Any]) -> Any:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
-async def _sleep_until(wall: float) -> None:
-    d = wall - time.time()
-    if d > 0:
-        await asyncio.sleep(d)
-
-
-class _Samples:
-    """An SlaSink keeping (modality, e2e ns, missed, dropped, error) per frame."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, int | None, bool, bool, bool]] = []
-
-    def record(self, s: Any) -> None:
-        self.rows.append((s.modality, s.e2e_ns, s.deadline_missed, s.dropped, s.error))
-
-
-def sidecar_child(ctl: Ctl, cfg_data: dict[str, Any], stop_wall: float,
-                  keep_samples: bool = False) -> dict[str, Any]:
-    """One stage's sidecar until ``stop_wall``, then a short drain."""
-    examples_importable()
-    from examples.pipeline.stages import make_runner
-    from sidecar.config import SidecarConfig
-    from sidecar.main import Sidecar
-
-    cfg = SidecarConfig.model_validate(cfg_data)
-    sink = _Samples() if keep_samples else None
-
-    async def main() -> dict[str, Any]:
-        sc = Sidecar(cfg, runner=make_runner(cfg), sink=sink, backoff_max=0.2)
-        await sc.start()
-        ctl.ready(sc.port)
-        await _sleep_until(stop_wall)
-        clean = await sc.stop(timeout=1.0)
-        return {"stage": cfg.stage, "clean": clean, "counters": sc.counters.snapshot(),
-                "samples": sink.rows if sink else []}
-
-    return _run_async(main())  # type: ignore[no-any-return]
-
-
-def collector_child(ctl: Ctl, listen: str, stop_wall: float,
-                    keep_scores: bool = False) -> dict[str, Any]:
-    """Receives the decoder's outputs: per frame (sequence, e2e ns, error, scores)."""
-    from sidecar.config import Limits, Listen
-    from sidecar.contract import tensor_from_frame
-    from sidecar.transport import FrameServer
-
-    async def main() -> dict[str, Any]:
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        server = FrameServer(Listen(tcp=listen, udp=None), Limits(), q, name="results")
-        await server.start()
-        ctl.ready(server.port)
-        rows: list[dict[str, Any]] = []
-
-        async def consume() -> None:
-            while True:
-                f = await q.get()
-                h = f.header
-                row: dict[str, Any] = {"stream": h.stream_id, "seq": h.sequence,
-                                       "e2e_ns": (f.received_ns - h.timestamp_ns
-                                                  if h.timestamp_ns else None)}
-                if h.error is not None:
-                    row["error"] = list(h.error)
-                elif keep_scores:
-                    row["scores"] = tensor_from_frame(h, f.payload).tolist()
-                rows.append(row)
-
-        task = asyncio.get_running_loop().create_task(consume())
-        await _sleep_until(stop_wall)
-        await server.close(grace=0.5)
-        while not q.empty():
-            await asyncio.sleep(0)
-        task.cancel()
-        return {"rows": rows, "counters": server.counters.snapshot()}
-
-    return _run_async(main())  # type: ignore[no-any-return]
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    tick_s: float = 0.050
-    exact_ticks: int = 0  # > 0: exactly these ticks with exact seeded data, then stop
-    cycle: int = 4  # else: this many precomputed items per sensor, cycled
-    deadlines_ms: tuple[tuple[str, float], ...] = (("audio", 50.0), ("video", 200.0),
-                                                   ("lidar", 150.0))
-
-
-def sensors_child(ctl: Ctl, targets: dict[str, str], spec: SourceSpec, start_wall: float,
-                  stop_wall: float) -> dict[str, Any]:
-    """Camera, microphone and LiDAR: one item per tick each, sent with the
-    sidecar's FrameSender (zero-copy) to the edge encoders.  A sensor that
-    falls behind its schedule (its uplink is backed up) skips ticks, as a
-    driver drops frames; skipped ticks count as produced and missed."""
-    examples_importable()
-    from examples.pipeline import stages
-    from mmmesh.wire import Header
-    from sidecar.config import Limits, Output
-    from sidecar.contract import tensor_spec
-    from sidecar.transport import FrameSender
-
-    gens: dict[str, Callable[[int], Any]] = {
-        "video": stages.video_frame, "audio": stages.audio_chunk, "lidar": stages.lidar_sweep}
-    meta: dict[str, dict[str, Any]] = {"video": {"fps": round(1 / spec.tick_s)},
-                                       "audio": {"bitrate": stages.SAMPLE_RATE * 32},
-                                       "lidar": {"density": stages.LIDAR_POINTS}}
-    deadlines = dict(spec.deadlines_ms)
-    cached: dict[str, list[Any]] = {}
-    if not spec.exact_ticks:
-        cached = {m: [g(i) for i in range(spec.cycle)] for m, g in gens.items()}
-
-    async def main() -> dict[str, Any]:
-        limits = Limits(outbound_queue=8)
-        senders = {}
-        for m, addr in targets.items():
-            o = Output(name=m, address=addr, modality="point_cloud" if m == "lidar" else m,
-                       sla_class=MODALITIES[m][3])
-            s = FrameSender(o, limits, backoff_initial=0.02, backoff_max=0.2)
-            await s.start()
-            senders[m] = s
-        ctl.ready()
-        loop = asyncio.get_running_loop()
-        start = loop.time() + (start_wall - time.time())
-        stop = loop.time() + (stop_wall - time.time())
-        stats: dict[str, dict[str, Any]] = {m: {"produced": 0, "sent": 0, "skipped": 0}
-                                            for m in targets}
-
-        async def sensor(m: str) -> None:
-            s, st = senders[m], stats[m]
-            modality = MODALITIES[m][1]
-            tick = 0
-            while True:
-                t = start + tick * spec.tick_s
-                if spec.exact_ticks and tick >= spec.exact_ticks:
-                    break
-                if not spec.exact_ticks and t >= stop:
-                    break
-                now = loop.time()
-                if now < t:
-                    await asyncio.sleep(t - now)
-                elif now - t > spec.tick_s and not spec.exact_ticks:  # behind: skip this tick
-                    st["produced"] += 1
-                    st["skipped"] += 1
-                    tick += 1
-                    continue
-                data = gens[m](tick) if spec.exact_ticks else cached[m][tick % spec.cycle]
-                ts = time.time_ns()
-                h = Header(modality=modality, stream_id=STREAM_ID, sequence=tick,
-                           timestamp_ns=ts, deadline_ns=ts + int(deadlines[m] * 1e6),
-                           tensor=tensor_spec(data), **meta[m])
-                st["produced"] += 1
-                await s.send(h, data)
-                st["sent"] += 1
-                tick += 1
-
-        await asyncio.gather(*(sensor(m) for m in targets))
-        for s in senders.values():
-            await s.flush(max(0.5, stop_wall - time.time() + 0.5))
-        for m, s in senders.items():
-            stats[m]["sender"] = s.counters.snapshot()
-            await s.close()
-        return stats
-
-    return _run_async(main())  # type: ignore[no-any-return]
-
-
-def flood_sink_child(ctl: Ctl, port: int, stop_wall: float) -> dict[str, Any]:
-    """A UDP socket the flood is sent to, never read: the kernel drops what
-    overflows its small receive buffer (no ICMP, no CPU spent here)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-    s.bind(("0.0.0.0", port))
-    ctl.ready()
-    while time.time() < stop_wall:
-        time.sleep(min(0.2, max(0.0, stop_wall - time.time())))
-    s.close()
-    return {}
+    def nodes(self) -> list[tuple[str, str, str]]:
+        """(node id, namespace, address) of each node (the edge's on the sensors' link)."""
+        return [("sensors", self.sensors, SENSORS_ADDR), ("edge", self.edge, EDGE_ADDR),
+                ("core", self.core, CORE_ADDR)]
 
 
 # --------------------------------------------------------------------------
@@ -392,10 +228,21 @@ def _attainment(samples: list[tuple[str, int | None, bool, bool, bool]],
     return out
 
 
+def _stage_data(cfg: Any, node: str, sla_socket: str | None) -> dict[str, Any]:
+    """A stage's config as its child gets it: reporting to ``sla_socket`` (one
+    window, when it stops) or, without one, to no qosd at all."""
+    data: dict[str, Any] = cfg.model_dump(mode="json")
+    data["qosd"] = {"socket": sla_socket, "report_interval_s": REPORT_ONCE_S}
+    if sla_socket:
+        data["instance"] = f"{node}/{cfg.stage}"
+    return data
+
+
 def run_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any],
-              keep_scores: bool = False) -> dict[str, Any]:
+              keep_scores: bool = False, sla: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Starts every process of the pipeline, runs the sensors (and the flood),
-    and collects what each process saw."""
+    and collects what each process saw.  ``sla``: namespace -> the qosd SLA
+    socket its stages (and the sensors) report to; none: no reports."""
     flood = cfg.flood_factor > 0 and not cfg.exact_ticks
     setup = 1.5  # forking, imports, ONNX sessions, connections
     t0 = time.time() + setup
@@ -411,10 +258,11 @@ def run_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any],
         kids.append(collector)
         collector.wait_ready(15.0)
         stages: dict[str, Child] = {}
+        sla = sla or {}
         for name in ("decoder.yaml", "fusion.yaml", *EDGE_STAGES):
-            ns = topo.core if name in CORE_STAGES else topo.edge
+            node, ns = ("core", topo.core) if name in CORE_STAGES else ("edge", topo.edge)
             c = topo.spawn(ns, name.removesuffix(".yaml"), sidecar_child,
-                           stage_cfgs[name].model_dump(mode="json"),
+                           _stage_data(stage_cfgs[name], node, sla.get(ns)),
                            end + (0.25 if name in CORE_STAGES else 0.0),
                            name == "fusion.yaml")
             kids.append(c)
@@ -438,7 +286,8 @@ def run_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any],
         targets = {m: f"{EDGE_ADDR}:{_port(stage_cfgs[MODALITIES[m][0]])}" for m in MODALITIES}
         spec = SourceSpec(tick_s=cfg.tick_s, exact_ticks=cfg.exact_ticks,
                           deadlines_ms=tuple(cfg.deadlines_ms.items()))
-        sensors = topo.spawn(topo.sensors, "sensors", sensors_child, targets, spec, start, stop)
+        sensors = topo.spawn(topo.sensors, "sensors", sensors_child, targets, spec, start, stop,
+                             sla.get(topo.sensors))
         kids.append(sensors)
         sensors.wait_ready(20.0)
         slack = t0 - time.time()
@@ -451,6 +300,8 @@ def run_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any],
         for c in kids:
             topo.reap(c)
     fusion = res["fusion"]
+    reports = {"sensors": src.pop("sla_reports", None),
+               **{k: v.get("sla_reports") for k, v in res.items()}}
     produced = {m: st["produced"] for m, st in src.items()}
     out: dict[str, Any] = {
         "modalities": _attainment(fusion.pop("samples"), produced, cfg.deadlines_ms),
@@ -461,6 +312,8 @@ def run_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any],
     }
     if keep_scores:
         out["results"]["rows"] = col["rows"]
+    if sla:
+        out["sla_reports"] = reports  # per process: windows qosd took / that failed
     if flood:
         f = ext["flood"]
         secs = f.get("seconds") or 1.0
@@ -487,22 +340,40 @@ def _results_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 Progress = Callable[[str], None]
 
 
-def _class_counts(st: DataplaneStatus) -> dict[str, dict[str, int]]:
-    return {c.name: {"packets": c.egress_packets, "bytes": c.egress_bytes,
-                     "htb_drops": c.htb.drops if c.htb else 0}
-            for c in st.classes}
+def _class_counts(st: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per class of a dataplane's status (``DataplaneStatus.as_dict()``, or
+    qosd's ``/v1/status`` of the uplink): packets, bytes, HTB drops."""
+    return {name: {"packets": c["egress_packets"], "bytes": c["egress_bytes"],
+                   "htb_drops": (c.get("htb") or {}).get("drops", 0)}
+            for name, c in (st.get("classes") or {}).items()}
+
+
+def _phases(cfg: PipelineConfig) -> tuple[str, ...]:
+    """The phases in their order; with the mesh, the mesh-on phase last (its
+    qosd keeps the policy until the end, and its stages' windows are the view)."""
+    if not _with_mesh(cfg):
+        return cfg.phases
+    return tuple(p for p in cfg.phases if p != "on") + ("on",)
+
+
+def _with_mesh(cfg: PipelineConfig) -> bool:
+    """The mesh runs with the mesh-on phase (it is what its qosd serves)."""
+    return cfg.mesh and "on" in cfg.phases
 
 
 def run_pipeline(cfg: PipelineConfig, progress: Progress = lambda _m: None,
                  onnx_dir: str | Path | None = None) -> dict[str, Any]:
-    """Builds the topology, runs each phase in ``cfg.phases``; returns the results."""
+    """Builds the topology (and with ``cfg.mesh`` its qosd mesh), runs each
+    phase in ``cfg.phases``; returns the results (with the mesh, ``mesh``:
+    its nodes and the global SLA view at the end)."""
     from ..policy import Rate
 
     examples_importable()
     from examples.pipeline import make_onnx
 
     t_start = time.monotonic()
-    policy = pipeline_policy(cfg.policy_path, UPLINK, cfg.rate_bps) if "on" in cfg.phases else None
+    phases = _phases(cfg)
+    policy = pipeline_policy(cfg.policy_path, UPLINK, cfg.rate_bps) if "on" in phases else None
     results: dict[str, Any] = {
         "version": 1,
         "config": {**asdict(cfg), "rate": str(Rate(cfg.rate_bps))},
@@ -512,26 +383,37 @@ def run_pipeline(cfg: PipelineConfig, progress: Progress = lambda _m: None,
         models = Path(onnx_dir) if onnx_dir else Path(tmp)
         make_onnx.ensure(models)
         stage_cfgs = load_stage_configs(models)
-        with Topology() as topo:
+        with Topology() as topo, contextlib.ExitStack() as stack:
             progress(f"topology up: {topo.sensors} --{UPLINK} {Rate(cfg.rate_bps)}--> "
                      f"{topo.edge} --> {topo.core}")
-            for i, phase in enumerate(cfg.phases, 1):
+            mesh = None
+            if _with_mesh(cfg):
+                from .pipeline_mesh import start_mesh
+
+                mesh = stack.enter_context(start_mesh(topo.nodes(), Path(tmp) / "mesh",
+                                                      progress))
+            for i, phase in enumerate(phases, 1):
                 label = {"off": "mesh OFF (one FIFO)", "on": "mesh ON (classifier + HTB)",
                          "none": "unshaped"}[phase]
-                progress(f"phase {i}/{len(cfg.phases)}: {label}: sensors for "
+                progress(f"phase {i}/{len(phases)}: {label}: sensors for "
                          f"{cfg.duration:g}s" + (f" + video flood ({cfg.flood_factor:g}x link)"
                                                   if cfg.flood_factor else ""))
                 results["phases"][phase] = _one_phase(topo, cfg, stage_cfgs, phase, policy,
-                                                      progress)
+                                                      progress, mesh)
                 progress(f"phase {i} done: " + ", ".join(
                     f"{m} {r['sla_attainment_pct']:.1f}% within {r['deadline_ms']:g} ms"
                     for m, r in results["phases"][phase]["modalities"].items()))
+            if mesh is not None:
+                from .pipeline_mesh import mesh_results
+
+                results["mesh"] = mesh_results(mesh, "sensors", progress)
     results["elapsed_s"] = time.monotonic() - t_start
     return results
 
 
 def _one_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any], phase: str,
-               policy: Any, progress: Progress) -> dict[str, Any]:
+               policy: Any, progress: Progress, mesh: PipelineMesh | None = None
+               ) -> dict[str, Any]:
     if phase == "none":
         return run_phase(topo, cfg, stage_cfgs)
     if phase == "off":
@@ -543,20 +425,42 @@ def _one_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any], 
             return res
         finally:
             topo.unshape()
+    if mesh is not None:
+        return _mesh_on_phase(topo, cfg, stage_cfgs, policy, progress, mesh)
     t = time.monotonic()
     dp = Dataplane(UPLINK, topo.sensors)
     dp.up(policy)
     try:
         progress(f"dataplane up on {UPLINK} in {time.monotonic() - t:.1f}s")
-        before = _class_counts(dp.status(policy))
+        before = _class_counts(dp.status(policy).as_dict())
         res = run_phase(topo, cfg, stage_cfgs)
-        after = _class_counts(dp.status(policy))
-        res["classes"] = {n: {k: v - before.get(n, {}).get(k, 0) for k, v in a.items()}
-                          for n, a in after.items()}
+        after = _class_counts(dp.status(policy).as_dict())
+        res["classes"] = _delta(before, after)
         return res
     finally:
         dp.down()
 
 
-__all__ = ["PipelineConfig", "SourceSpec", "Topology", "load_stage_configs", "pipeline_policy",
-           "run_phase", "run_pipeline"]
+def _mesh_on_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any],
+                   policy: Any, progress: Progress, mesh: PipelineMesh) -> dict[str, Any]:
+    """The mesh-on phase with qosd: the sensors node's qosd applies the policy
+    (and keeps it until the demo ends); every stage reports to its node's qosd."""
+    t = time.monotonic()
+    applied = mesh.apply_policy("sensors", policy.to_yaml())
+    progress(f"qosd on sensors applied policy version {applied['version']} to {UPLINK} in "
+             f"{time.monotonic() - t:.1f}s; stages report to their node's qosd")
+    before = _class_counts(mesh.uplink_status("sensors", UPLINK))
+    res = run_phase(topo, cfg, stage_cfgs, sla=mesh.sla_sockets())
+    res["classes"] = _delta(before, _class_counts(mesh.uplink_status("sensors", UPLINK)))
+    res["policy_version"] = applied["version"]
+    return res
+
+
+def _delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
+           ) -> dict[str, dict[str, int]]:
+    return {n: {k: v - before.get(n, {}).get(k, 0) for k, v in a.items()}
+            for n, a in after.items()}
+
+
+__all__ = ["MODALITIES", "STREAM_ID", "PipelineConfig", "SourceSpec", "Topology",
+           "load_stage_configs", "pipeline_policy", "run_phase", "run_pipeline"]

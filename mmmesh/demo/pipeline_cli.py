@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+from .._errors import MeshError
 from .pipeline import MODALITIES, PipelineConfig, run_pipeline
 
 
@@ -44,6 +45,14 @@ def format_table(results: dict[str, Any]) -> str:
     if cls:
         lines.append("mesh ON, packets per class on the uplink: " + ", ".join(
             f"{n} {v['packets']}" for n, v in cls.items() if v["packets"]))
+    mesh = results.get("mesh")
+    if mesh:
+        from .pipeline_mesh import render_view
+
+        lines += ["", f"the mesh (qosd on {', '.join(mesh['nodes'])}): the global SLA view of "
+                  f"the mesh-on phase, `mmmeshctl cluster sla` on {mesh['view_from']}"
+                  + ("" if mesh["view_complete"] else " (incomplete)"), "",
+                  render_view(mesh["cluster_sla"])]
     return "\n".join(lines)
 
 
@@ -67,6 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None,
                    help="policy YAML (default examples/policy.yaml); its link becomes the "
                         "sensors' uplink at --rate")
+    p.add_argument("--mesh", action=argparse.BooleanOptionalAction, default=True,
+                   help="one qosd per node, joined as a mesh (gRPC, mTLS): the stages report "
+                        "their SLA windows to it, the sensors' qosd applies the policy, and "
+                        "the end shows the global SLA view, mmmeshctl cluster sla (default; "
+                        "--no-mesh: the dataplane alone, no qosd)")
     p.add_argument("--out", default="out/demo",
                    help="directory for pipeline.json (default out/demo)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -85,13 +99,17 @@ def run_from_args(a: argparse.Namespace) -> int:
     progress = report.Progress(enabled=not getattr(a, "quiet", False))
     cfg = PipelineConfig(rate_bps=a.rate, duration=a.duration,
                          flood_factor=getattr(a, "flood", PipelineConfig.flood_factor),
-                         policy_path=getattr(a, "policy", None))
+                         policy_path=getattr(a, "policy", None),
+                         mesh=bool(getattr(a, "mesh", PipelineConfig.mesh)))
     try:
         results = run_pipeline(cfg, progress)
     except KeyboardInterrupt:
-        print("mmmesh pipeline demo: interrupted; namespaces and dataplane removed",
+        print("mmmesh pipeline demo: interrupted; namespaces, qosd and dataplane removed",
               file=sys.stderr)
         return 130
+    except MeshError as e:  # a qosd of the mesh did not start or answer
+        print(f"mmmesh pipeline demo: {e}", file=sys.stderr)
+        return 1
     out = os.path.abspath(getattr(a, "out", "out/demo"))
     path = report.write_json(os.path.join(out, "pipeline.json"), results)
     progress(f"wrote {path}")
