@@ -193,6 +193,9 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
 
         svc.cluster_rollout_app = ClusterRollout(peers, svc)
         await svc.cluster_rollout_app.start()
+        from .peers._app_metrics import ClusterAppsCollector  # mmmesh_rollout_*, _cluster_sla_*
+
+        registry.register(ClusterAppsCollector(svc))
     servers: list[ApiServer] = []
     if cfg.metrics_addr:
         host, port = parse_hostport(cfg.metrics_addr, default_host="0.0.0.0",

@@ -33,9 +33,19 @@ scrape's ``instance`` label, which tells the nodes apart)::
     mmmesh_resync_last_run_timestamp_seconds (heartbeat), mmmesh_resync_interval_seconds
     process_* (prometheus_client's ProcessCollector: RSS, open fds, CPU, start time)
 
+    the mesh (with a peers: section; qosd/peers/_metrics.py, qosd/peers/_app_metrics.py;
+    the tables in _cluster.py)
+    mmmesh_cluster_members{state}, mmmesh_cluster_<membership and transport counters>,
+    mmmesh_cluster_probe_rtt_seconds (histogram), mmmesh_cluster_cert_expiry_timestamp_seconds
+    mmmesh_rollout_{desired,applied}_info{version}, mmmesh_rollout_behind,
+    mmmesh_rollout_members{state}, mmmesh_rollout_<core counters>_total,
+    mmmesh_rollout_dropped_total{reason}
+    mmmesh_cluster_sla_{attainment_ratio,p99_seconds,frames}{class,modality} (global view),
+    mmmesh_cluster_sla_nodes_{known,reporting,with_sketches},
+    mmmesh_cluster_sla_publications_received_total{result}, ... (the view's counters)
+
 The classifier counts skbs as TC sees them: a GSO super-packet is one packet
-however many wire packets it becomes.  The cluster's metrics
-(``mmmesh_cluster_*``, ``mmmesh_rollout_*``) come from qosd/peers/.
+however many wire packets it becomes.
 """
 
 from __future__ import annotations
@@ -64,10 +74,18 @@ PROCESS_METRICS = ("process_resident_memory_bytes", "process_open_fds", "process
                    "process_cpu_seconds_total", "process_start_time_seconds")
 
 
-def exported_names() -> set[str]:
-    """Every sample name qosd's registry can export (but ``process_*``)."""
-    return (sample_names(DATAPLANE_METRICS) | sample_names(QOSD_METRICS)
-            | sample_names(SLA_METRICS))
+def exported_names(cluster: bool = True) -> set[str]:
+    """Every sample name qosd's registry can export (but ``process_*``); with
+    ``cluster``, the mesh's too (``mmmesh_cluster_*``, ``mmmesh_rollout_*``:
+    exported with a ``peers:`` section; this imports qosd.peers)."""
+    names = (sample_names(DATAPLANE_METRICS) | sample_names(QOSD_METRICS)
+             | sample_names(SLA_METRICS))
+    if cluster:
+        from ._cluster import cluster_specs
+
+        for spec in cluster_specs().values():
+            names |= sample_names(spec)
+    return names
 
 
 def make_registry(targets: Callable[[], Iterable[Target]] | Sequence[Target],
