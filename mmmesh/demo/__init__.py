@@ -7,6 +7,8 @@
     scenario.py  the phases (mesh off, mesh on, unloaded) and their results
     report.py    progress lines, the table, results.json and latency.png
     pipeline.py  the reference multimodal pipeline across three namespace nodes
+    pipeline_procs.py  its child processes (sidecars, sensors, collector, flood)
+    pipeline_mesh.py   a qosd per node, joined as a mesh (mTLS), the global SLA view
     pipeline_cli.py  ``mmmesh demo --pipeline``: arguments and the table
     _cli.py      ``mmmesh demo``
 
