@@ -4,10 +4,11 @@ on the peers' event loop (docs/cluster.md, "Policy rollout").
 Every call into the core runs on the peers' loop (``Peers.on_loop``), as the
 membership core's do.  The actions it returns are carried out here:
 
-* ``Realise``: in a worker thread, the text is localised to this node's link
-  (qosd.yaml ``mesh_link``), checked realisable, and applied like any policy
-  (store prepare -> kernel -> activate), the mesh version recorded in the
-  version's note; the core is told the outcome (ACK, or NACK with the
+* ``Realise``: in a worker thread, :func:`qosd.clusterstore._realise.realise`
+  (the path the etcd back end takes too): the text is localised to this
+  node's link (qosd.yaml ``mesh_link``), checked realisable, and applied like
+  any policy (store prepare -> kernel -> activate), the mesh version recorded
+  in the version's note; the core is told the outcome (ACK, or NACK with the
   reason: xDS — a NACK keeps the previous version).
 * ``Fetch``: the text is asked from a peer over the transport's Fetch RPC.
 * ``SendReport``: the direct report to a version's origin is not sent; the
@@ -29,17 +30,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from mmmesh._errors import MeshError
-from mmmesh.cluster.rollout import (
-    Action,
-    Fetch,
-    LinkOverride,
-    MeshVersion,
-    Realise,
-    Rollout,
-    RolloutProvider,
-    localise_policy,
-)
+from mmmesh.cluster.rollout import Action, Fetch, Realise, Rollout, RolloutProvider
+
+from .clusterstore._realise import applied_version, link_override, realise
 
 log = logging.getLogger("qosd.cluster_rollout")
 
@@ -52,13 +45,10 @@ class ClusterRollout:
     def __init__(self, peers: Any, service: Any) -> None:
         self.peers = peers
         self.service = service
-        cur = service.store.current()
-        applied = MeshVersion.from_note(cur.note) if cur is not None else None
-        self.rollout = Rollout(peers.section(SECTION), random.Random(), applied=applied,
+        self.rollout = Rollout(peers.section(SECTION), random.Random(),
+                               applied=applied_version(service),
                                wall_offset=time.time() - peers.now())
-        link = service.cfg.mesh_link
-        self.link = (LinkOverride(link.device, int(link.rate) if link.rate else None)
-                     if link is not None else None)
+        self.link = link_override(service.cfg)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._unsubscribe: Any = None
@@ -128,18 +118,7 @@ class ClusterRollout:
 
     # -- in a worker thread -----------------------------------------------------------
     def _realise(self, a: Realise) -> None:
-        ok, reason = True, ""
-        try:
-            pol = localise_policy(a.text, self.link)
-            self.service.reconciler.check_realizable(pol)
-            self.service.apply_mesh(pol, a.version.note(), a.author or "mesh")
-        except MeshError as e:
-            ok, reason = False, str(e)
-        except Exception as e:  # never leave the core waiting
-            log.exception("rollout: realising %s failed", a.version)
-            ok, reason = False, f"internal error: {e}"
-        log.info("rollout: %s %s%s", a.version, "ACK" if ok else "NACK",
-                 f": {reason}" if reason else "")
+        ok, reason = realise(self.service, self.link, a.version, a.text, a.author)
 
         def report() -> None:
             self._run(self.rollout.on_realised(a.version, ok, reason, self.peers.now()))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
@@ -105,6 +105,66 @@ class PeersConfig(BaseModel):
         return Config(**values)  # type: ignore[arg-type]  # Config checks each value
 
 
+class EtcdSection(BaseModel):
+    """``cluster.etcd``: where the mesh's etcd is and how this node uses it
+    (docs/cluster.md "Choosing a back end", docs/operations.md "etcd")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoints: list[str] = Field(min_length=1, description="host:port of etcd's members "
+                                 "(client URLs; a name stands for all its addresses)")
+    cert_file: Path | None = Field(default=None, description="this node's client certificate "
+                                   "(PEM), for etcd's --client-cert-auth")
+    key_file: Path | None = Field(default=None, description="its private key (PEM)")
+    ca_file: Path | None = Field(default=None, description="the CA of etcd's server "
+                                 "certificates; set: TLS, unset: plain HTTP/2")
+    server_name: str | None = Field(default=None, description="the name etcd's certificate "
+                                    "must carry (default: the first endpoint's host)")
+    prefix: str = Field(default="/mmmesh/", pattern=r"^/[A-Za-z0-9._/-]*$",
+                        description="every key of this mesh lives under it")
+    lease_ttl_s: int = Field(default=10, ge=2, le=3600, description="a node that stops "
+                             "renewing its lease is gone this long after (renewed every ttl/3)")
+    timeout_s: float = Field(default=5.0, gt=0, le=60, description="deadline of one request")
+    sla_period_s: float = Field(default=5.0, gt=0, le=3600, description="this node's SLA "
+                                "windows are written this often (one key per node)")
+    advertise: str | None = Field(default=None, description="an address shown for this node "
+                                  "in the members table (display only)")
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoints(cls, v: list[str]) -> list[str]:
+        for text in v:
+            _, port = parse_hostport(text.split("://")[-1], what="cluster.etcd.endpoints")
+            if port == 0:
+                raise ValueError(f"cluster.etcd.endpoints {text!r}: needs a port")
+        return v
+
+    @model_validator(mode="after")
+    def _tls(self) -> EtcdSection:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cluster.etcd: cert_file and key_file go together")
+        if self.cert_file is not None and self.ca_file is None:
+            raise ValueError("cluster.etcd: a client certificate needs ca_file (TLS)")
+        return self
+
+
+class ClusterConfig(BaseModel):
+    """``cluster:``: which back end holds the mesh's policy versions, reports
+    and SLA windows.  ``gossip`` (default) is the ``peers:`` section's mesh;
+    ``etcd`` needs ``cluster.etcd``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["gossip", "etcd"] = "gossip"
+    etcd: EtcdSection | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterConfig:
+        if self.backend == "etcd" and self.etcd is None:
+            raise ValueError("cluster.backend etcd needs a cluster.etcd section")
+        return self
+
+
 class MeshLink(BaseModel):
     """This node's uplink for mesh-wide policies (``mmmeshctl policy apply --cluster``):
     the fields given replace the policy's ``link`` (docs/policy.md, "Mesh-wide and
@@ -165,6 +225,16 @@ class QosdConfig(BaseSettings):
     mesh_link: MeshLink | None = Field(
         default=None, description="this node's link for mesh-wide policies (device, rate); "
         "none: the policy's link as written")
+    cluster: ClusterConfig | None = Field(
+        default=None, description="the mesh's store: gossip (the peers: section, default) or "
+        "etcd (cluster.etcd)")
+
+    @model_validator(mode="after")
+    def _one_backend(self) -> QosdConfig:
+        if self.cluster is not None and self.cluster.backend == "etcd" and self.peers is not None:
+            raise ValueError("cluster.backend is etcd: remove the peers: section (the gossip "
+                             "back end's)")
+        return self
 
     @field_validator("api_tcp", "metrics_addr")
     @classmethod

@@ -182,19 +182,10 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
                  "adopted" if svc.reconciler.adopted else "loaded", res.version,
                  (time.monotonic() - t0) * 1000)
 
-    from .peers import start_peers  # the mesh (gRPC): exits 2 on an unusable peers: section
-    peers = await start_peers(cfg, svc, registry)  # None without a peers: section
-    if peers is not None:  # the global SLA view rides on the peers (section "sla")
-        from .cluster_sla import ClusterSla
-
-        svc.cluster_sla_app = ClusterSla(peers, svc.sla_board, svc.p99_targets)
-        await svc.cluster_sla_app.start()
-        from .cluster_rollout import ClusterRollout  # mesh-wide policy (section "rollout")
-
-        svc.cluster_rollout_app = ClusterRollout(peers, svc)
-        await svc.cluster_rollout_app.start()
-        from .peers._app_metrics import ClusterAppsCollector  # mmmesh_rollout_*, _cluster_sla_*
-
+    from .clusterstore import start_cluster_store  # gossip (peers:) or etcd (cluster.etcd)
+    store = await start_cluster_store(cfg, svc, registry)  # None: this node runs alone
+    if store is not None:  # mmmesh_rollout_*, mmmesh_cluster_sla_*: the apps the store started
+        from .peers._app_metrics import ClusterAppsCollector
         registry.register(ClusterAppsCollector(svc))
     servers: list[ApiServer] = []
     if cfg.metrics_addr:
@@ -274,11 +265,8 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
     await stop.wait()
     log.info("stopping (the dataplane stays; the next qosd adopts it)")
     sd_notify("STOPPING=1")
-    for app in (svc.cluster_rollout_app, svc.cluster_sla_app):
-        if app is not None:
-            await app.stop()
-    if peers is not None:
-        await peers.stop()  # a graceful leave: members mark this node left, not dead
+    if store is not None:
+        await store.stop()  # a graceful leave: members mark this node left, not dead
     await asyncio.gather(*(srv.stop_async() for srv in servers), *tasks,
                          return_exceptions=True)
     if watchdog is not None:

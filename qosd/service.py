@@ -52,6 +52,8 @@ class QosdService:
         self.peers: Any = None  # qosd.peers.Peers with a peers: section (qosd/peers: start_peers)
         self.cluster_sla_app: Any = None  # qosd.cluster_sla.ClusterSla, with the peers
         self.cluster_rollout_app: Any = None  # qosd.cluster_rollout.ClusterRollout, likewise
+        # the back end of both (qosd/clusterstore: gossip or etcd); None: this node runs alone
+        self.cluster_store: Any = None
 
     # ---------------------------------------------------------- startup
     def start(self) -> ReconcileResult | None:
@@ -158,16 +160,22 @@ class QosdService:
         return pv
 
     def _refuse_if_mesh_managed(self) -> None:
-        app = self.cluster_rollout_app
-        desired = app.rollout.desired if app is not None else None
+        store = self.cluster_store
+        desired = store.mesh_desired() if store is not None else None
         if desired is not None:
-            raise MeshManagedError(str(desired.version))
+            raise MeshManagedError(str(desired))
 
     def cluster_rollout(self) -> Any:
         """The rollout provider (PUT /v1/cluster/policy, GET /v1/cluster/rollout);
-        None without peers."""
-        app = self.cluster_rollout_app
-        return app.provider if app is not None else None
+        None without a cluster store."""
+        store = self.cluster_store
+        return store.rollout() if store is not None else None
+
+    def cluster_members(self) -> dict[str, Any] | None:
+        """GET /v1/cluster/members from a back end other than gossip (None: the
+        route reads ``peers``)."""
+        store = self.cluster_store
+        return store.members() if store is not None else None
 
     def _abandon(self, pv: PolicyVersion) -> None:
         with contextlib.suppress(StoreCorruptError):
@@ -213,6 +221,8 @@ class QosdService:
             "started_at": self.started_at,
             "adopted": self.reconciler.adopted,
             "sla": self.sla(),  # {"instances", "stages", "classes"}
+            # {"backend", "up", ...} (qosd/clusterstore); None: this node runs alone
+            "cluster": self.cluster_store.status() if self.cluster_store is not None else None,
         }
 
     def top_flows(self, n: int = 20) -> list[FlowRow]:
@@ -278,9 +288,9 @@ class QosdService:
         return cur.policy.p99_targets() if cur is not None else None
 
     def cluster_sla(self, nodes: bool = True) -> dict[str, Any] | None:
-        """The global SLA view (GET /v1/cluster/sla); None without peers."""
-        app = self.cluster_sla_app
-        return app.snapshot(nodes) if app is not None else None
+        """The global SLA view (GET /v1/cluster/sla); None without a cluster store."""
+        store = self.cluster_store
+        return store.sla(nodes) if store is not None else None
 
     def healthy(self) -> bool:
         return True

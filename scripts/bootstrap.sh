@@ -2,7 +2,8 @@
 # Idempotent set-up for a fresh Debian 12 / Ubuntu 22.04+ machine, run as root.
 # Installs: Debian packages (bcc, iproute2, iperf3, venv, systemd: the unit test
 # runs systemd-analyze and systemd itself; prometheus: promtool and a real
-# scraper for the metrics and dashboard tests), kernel headers for the
+# scraper for the metrics and dashboard tests; etcd-server and etcd-client:
+# the etcd back end's tests and bench), kernel headers for the
 # running kernel or the documented fallback (docs/operations.md), bpffs, and the
 # virtualenv at .venv (sees Debian's bcc) with mmmesh installed in it.
 set -euo pipefail
@@ -14,7 +15,7 @@ log() { printf '[bootstrap] %s\n' "$*" >&2; }
 
 export DEBIAN_FRONTEND=noninteractive
 PKGS=(python3-bpfcc python3-venv python3-dev iproute2 iperf3 libbpf1 ca-certificates systemd
-      prometheus)
+      prometheus etcd-server etcd-client)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -28,9 +29,11 @@ if [ "${#missing[@]}" -gt 0 ]; then
   log "installing Debian packages: ${missing[*]}"
   apt_install "${missing[@]}" >/dev/null
 fi
-# The tests run prometheus as a plain binary with a config of their own; the
-# package enables a system service (and its node exporter): not wanted here.
-for unit in prometheus.service prometheus-node-exporter.service; do
+# The tests run prometheus and etcd (a 3-member cluster per test,
+# tests/etcd_cluster.py) as plain binaries with configs of their own; the
+# packages enable system services (prometheus's node exporter too, etcd's
+# etcd.service with its alias etcd2.service): not wanted here.
+for unit in prometheus.service prometheus-node-exporter.service etcd.service; do
   if systemctl is-enabled "$unit" >/dev/null 2>&1; then
     systemctl disable --now "$unit" >/dev/null 2>&1 || true
     log "disabled $unit"

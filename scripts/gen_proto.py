@@ -37,13 +37,15 @@ the messages, ``peer_pb2_grpc`` the ``Peer`` service stubs.
 '''
 
 
-def protos() -> list[Path]:
-    """The .proto files of the package, relative to ``proto/``."""
-    return sorted(p.relative_to(PROTO_ROOT) for p in (PROTO_ROOT / PACKAGE).glob("*.proto"))
+def protos(package: Path = PACKAGE) -> list[Path]:
+    """The .proto files of ``package``, relative to ``proto/``."""
+    return sorted(p.relative_to(PROTO_ROOT) for p in (PROTO_ROOT / package).glob("*.proto"))
 
 
-def generate(out_root: Path) -> list[Path]:
-    """Writes the generated package under ``out_root``; returns its files."""
+def generate(out_root: Path, package: Path = PACKAGE, init: str = INIT) -> list[Path]:
+    """Writes the generated ``package`` (default mmmesh/v1) under ``out_root``,
+    with ``init`` as its ``__init__.py``; returns its files.  Other packages:
+    scripts/gen_etcd_proto.py (etcd's API under mmmesh/etcd/pb)."""
     have = metadata.version("grpcio-tools")
     if have != GRPCIO_TOOLS:
         raise SystemExit(f"gen_proto: grpcio-tools {GRPCIO_TOOLS} is required (found {have}): "
@@ -55,22 +57,22 @@ def generate(out_root: Path) -> list[Path]:
     out_root.mkdir(parents=True, exist_ok=True)
     args = ["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{include}",
             f"--python_out={out_root}", f"--pyi_out={out_root}",
-            f"--grpc_python_out={out_root}", *(str(p) for p in protos())]
+            f"--grpc_python_out={out_root}", *(str(p) for p in protos(package))]
     if protoc.main(args) != 0:
         raise SystemExit("gen_proto: protoc failed (see above)")
-    (out_root / PACKAGE / "__init__.py").write_text(INIT)
-    return sorted(p for p in (out_root / PACKAGE).iterdir() if p.is_file())
+    (out_root / package / "__init__.py").write_text(init)
+    return sorted(p for p in (out_root / package).iterdir() if p.is_file())
 
 
-def stale(out_root: Path = ROOT) -> list[str]:
+def stale(out_root: Path = ROOT, package: Path = PACKAGE, init: str = INIT) -> list[str]:
     """Files that differ between a fresh generation and ``out_root``'s package."""
     with tempfile.TemporaryDirectory() as tmp:
-        fresh = generate(Path(tmp))
+        fresh = generate(Path(tmp), package, init)
         names = {p.name for p in fresh}
-        have = {p.name for p in (out_root / PACKAGE).glob("*") if p.is_file()}
+        have = {p.name for p in (out_root / package).glob("*") if p.is_file()}
         diff = sorted(names ^ have)
         for p in fresh:
-            if p.name in have and not filecmp.cmp(p, out_root / PACKAGE / p.name, shallow=False):
+            if p.name in have and not filecmp.cmp(p, out_root / package / p.name, shallow=False):
                 diff.append(p.name)
     return diff
 

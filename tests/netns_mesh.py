@@ -22,6 +22,14 @@ qosd's) and short protocol timers (:data:`PROTOCOL`); each answers its admin
 API on a unix socket in the test's directory.  Everything is removed on
 exit, also when set-up or the test fails: processes killed, namespaces and
 ``/etc/netns`` entries deleted.
+
+``Mesh(n, root, backend="etcd")`` runs the same nodes on the etcd back end
+instead of gossip: a 3-member etcd (tests/etcd_cluster.py) lives in the
+bridge's namespace, listening on ``br0``'s address ``<subnet>.254`` (one port
+per member, 23790-23792), with TLS and client certificates from the mesh's
+CA; every node resolves ``etcd`` to that address and has a ``cluster:``
+section (lease TTL :data:`ETCD_LEASE_TTL_S`) instead of ``peers:``.
+``mesh.etcd`` is the cluster (kill its leader, stop it, compact it).
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ PROTOCOL: dict[str, float] = {
 }
 PORT = 7946
 SEEDS_NAME = "mesh-seeds"
+ETCD_NAME = "etcd"
+ETCD_LEASE_TTL_S = 3
 _counter = itertools.count()
 
 
@@ -77,6 +87,14 @@ class MeshNode:
 
     def write_config(self, **peers: Any) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.mesh.backend == "etcd":
+            self._write({"cluster": {"backend": "etcd", "etcd": {
+                "endpoints": [f"{ETCD_NAME}:{p}" for p in self.mesh.etcd_ports],
+                "cert_file": str(self.certs / f"{self.name}.pem"),
+                "key_file": str(self.certs / f"{self.name}.key"),
+                "ca_file": str(self.certs / "ca.pem"), "lease_ttl_s": ETCD_LEASE_TTL_S,
+                "advertise": self.addr, **peers}}})
+            return
         section = {
             "listen": self.addr, "seeds": [f"{SEEDS_NAME}:{PORT}"],
             "cert_file": str(self.certs / f"{self.name}.pem"),
@@ -84,10 +102,13 @@ class MeshNode:
             "ca_file": str(self.certs / "ca.pem"), "rejoin_interval_s": 1.0,
             "protocol": self.mesh.protocol, **peers,
         }
+        self._write({"peers": section})
+
+    def _write(self, store: dict[str, Any]) -> None:
         self.cfg.write_text(yaml.safe_dump({
             "node_name": self.name, "state_dir": str(self.dir / "state"),
             "api_socket": str(self.sock), "sla_socket": None,
-            "metrics_addr": f"{self.ip}:9464", "resync_interval_s": 60.0, "peers": section,
+            "metrics_addr": f"{self.ip}:9464", "resync_interval_s": 60.0, **store,
         }))
 
     def start(self) -> None:
@@ -160,7 +181,7 @@ class Mesh:
     """``n`` qosd nodes in namespaces on a bridge; see the module docstring."""
 
     def __init__(self, n: int, root: Path, *, protocol: dict[str, float] | None = None,
-                 start: bool = True) -> None:
+                 start: bool = True, backend: str = "gossip") -> None:
         self.prefix = f"mm{os.getpid() % 100000}x{next(_counter)}"
         self.subnet = f"10.79.{(os.getpid() + next(_counter)) % 250}"
         self.root = root
@@ -172,6 +193,9 @@ class Mesh:
         self._namespaces: list[str] = []
         self._loss_fd: int | None = None
         self._start = start
+        self.backend = backend
+        self.etcd: Any = None  # tests.etcd_cluster.EtcdCluster (backend "etcd")
+        self.etcd_ports = [23790, 23791, 23792]
 
     # -- set-up and clean-up ----------------------------------------------------------
     def __enter__(self) -> Self:
@@ -189,14 +213,21 @@ class Mesh:
         from mmmesh.ctl._certs import issue_certs
         from mmmesh.demo import netlab
 
-        issue_certs(self.certs, self.names)
+        issue_certs(self.certs, self.names + ([ETCD_NAME] if self.backend == "etcd" else []))
         netlab.create_netns(self.bridge_ns)
         self._namespaces.append(self.bridge_ns)
         with netlab.Lab(self.bridge_ns) as lab:
             lab.loopback_up()
             for br in ("br0", "br1"):
                 lab.ipr.link("add", ifname=br, kind="bridge")
-                lab.configure(br)
+                lab.configure(br, f"{self.subnet}.254/24" if br == "br0" else None)
+        if self.backend == "etcd":
+            from tests.etcd_cluster import EtcdCluster
+
+            self.etcd = EtcdCluster(self.root / "etcd", host=f"{self.subnet}.254",
+                                    netns=self.bridge_ns, certs=self.certs,
+                                    ports=self.etcd_ports + [23800, 23801, 23802])
+            self.etcd.start_all()
         for i, name in enumerate(self.names):
             self.add_node(name, self.certs, start=False, index=i)
         if self._start:
@@ -216,7 +247,8 @@ class Mesh:
         hosts = Path("/etc/netns") / node.ns / "hosts"
         hosts.parent.mkdir(parents=True, exist_ok=True)
         hosts.write_text("127.0.0.1 localhost\n" + "".join(
-            f"{self.subnet}.{i + 1} {SEEDS_NAME}\n" for i in range(3)))
+            f"{self.subnet}.{i + 1} {SEEDS_NAME}\n" for i in range(3))
+            + f"{self.subnet}.254 {ETCD_NAME}\n")
         with netlab.Lab(self.bridge_ns) as lab:
             lab.add_veth(f"p{node.index}", "eth0", node.ns)
             lab.ipr.link("set", index=lab.ifindex(f"p{node.index}"),
@@ -239,6 +271,8 @@ class Mesh:
                 if node.running:
                     node.signal(signal.SIGCONT)
                 node.kill()
+        if self.etcd is not None:
+            self.etcd.close()
         for ns in reversed(self._namespaces):
             netlab.remove_netns(ns)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)

@@ -137,7 +137,8 @@ def docs_by_kind(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
 # Schema
 # --------------------------------------------------------------------------
 def test_there_are_manifests() -> None:
-    assert {p.name for p in MANIFESTS} >= {"model-pod.yaml", "qosd-daemonset.yaml"}
+    assert {p.name for p in MANIFESTS} >= {"model-pod.yaml", "qosd-daemonset.yaml",
+                                           "qosd-daemonset-etcd.yaml"}
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -174,9 +175,11 @@ def test_the_validator_refuses_bad_manifests(mutate: Any, message: str) -> None:
 # --------------------------------------------------------------------------
 # qosd DaemonSet
 # --------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def qosd() -> dict[tuple[str, str], dict[str, Any]]:
-    return docs_by_kind(K8S / "qosd-daemonset.yaml")
+# Every DaemonSet check runs on both variants: gossip (qosd-daemonset.yaml) and
+# etcd (qosd-daemonset-etcd.yaml, the same DaemonSet with the etcd back end).
+@pytest.fixture(scope="module", params=["qosd-daemonset.yaml", "qosd-daemonset-etcd.yaml"])
+def qosd(request: pytest.FixtureRequest) -> dict[tuple[str, str], dict[str, Any]]:
+    return docs_by_kind(K8S / request.param)
 
 
 def _mounts(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -301,6 +304,52 @@ def test_qosd_probes_and_limits(qosd: Any) -> None:
     assert sp["periodSeconds"] * sp["failureThreshold"] >= 90
     assert c["resources"]["limits"]["memory"] == "512Mi"
     assert "cpu" in c["resources"]["requests"]
+
+
+def test_qosd_etcd_variant_reaches_etcd_with_client_certs_from_a_secret() -> None:
+    """The etcd back end: qosd.yaml names the etcd Service's DNS name and port,
+    the client certificate, key and CA are files of the Secret's volume, the
+    Service is headless (every member's address), and nothing else differs
+    from the gossip variant's DaemonSet but that volume."""
+    from qosd.config import QosdConfig
+
+    docs = docs_by_kind(K8S / "qosd-daemonset-etcd.yaml")
+    ds = docs[("DaemonSet", "qosd")]
+    spec = ds["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    cfg = QosdConfig.model_validate(
+        yaml.safe_load(docs[("ConfigMap", "qosd-config")]["data"]["qosd.yaml"]))
+    assert cfg.peers is None and cfg.cluster is not None and cfg.cluster.backend == "etcd"
+    etcd = cfg.cluster.etcd
+    assert etcd is not None
+    # the Service the endpoints name, in this namespace, on the port they use
+    ns = ds["metadata"]["namespace"]
+    (endpoint,) = etcd.endpoints
+    host, _, port = endpoint.rpartition(":")
+    svc_name, svc_ns = host.split(".")[:2]
+    svc = docs[("Service", svc_name)]
+    assert svc_ns == ns == svc["metadata"]["namespace"]
+    assert host in (f"{svc_name}.{ns}.svc", f"{svc_name}.{ns}.svc.cluster.local")
+    assert svc["spec"]["clusterIP"] == "None"  # headless: every member, not one VIP
+    assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
+    assert etcd.server_name and etcd.server_name.startswith(f"{svc_name}.{ns}")
+    # certificates: files of the Secret's volume, read-only, private key not world-readable
+    mounts, vols = _mounts(c), _volumes(spec)
+    files = [etcd.cert_file, etcd.key_file, etcd.ca_file]
+    assert all(f is not None for f in files)
+    (mount,) = {str(f.parent) for f in files if f is not None}
+    m = mounts[mount]
+    assert m["readOnly"] is True
+    secret = vols[m["name"]]["secret"]
+    assert secret["defaultMode"] & 0o077 == 0
+    assert {i["path"] for i in secret["items"]} == {f.name for f in files if f is not None}
+    # otherwise the gossip variant's DaemonSet
+    gossip = docs_by_kind(K8S / "qosd-daemonset.yaml")[("DaemonSet", "qosd")]
+    g_spec = json.loads(json.dumps(gossip["spec"]["template"]["spec"]))
+    e_spec = json.loads(json.dumps(spec))
+    e_spec["volumes"] = [v for v in e_spec["volumes"] if v["name"] != m["name"]]
+    e_spec["containers"][0]["volumeMounts"].remove(m)
+    assert e_spec == g_spec
 
 
 # --------------------------------------------------------------------------

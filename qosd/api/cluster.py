@@ -1,7 +1,10 @@
 """``/v1/cluster/members``: how this node sees the mesh (qosd/peers).
 
 Answered on the event loop from one snapshot of the membership core; 404
-``not_found`` when qosd runs without a ``peers:`` section.  Times are
+``not_found`` when qosd runs without a ``peers:`` section.  With the etcd back
+end (qosd/clusterstore) the service answers ``cluster_members()`` in the same
+shape: the nodes with a live lease, and those gone recently (``dead``, or
+``left`` after a graceful stop).  Times are
 seconds before the answer (``since_s``: in this state; ``last_ack_s``: this
 node's last direct ack from the member), ``rtt_s`` the smoothed probe round
 trip (None before the first direct ack).
@@ -13,6 +16,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 
 from ..errors import NotFoundError
 from ..model import Service
@@ -43,7 +47,12 @@ class ClusterMembers(BaseModel):
                                   "refutations, deaths_declared, ...)")
     traffic: dict[str, dict[str, int]] = Field(
         description="packets and bytes by direction, dropped packets and send failures by "
-        "reason")
+        "reason (etcd: requests by kind, failures by error)")
+    backend: Literal["gossip", "etcd"] = Field(
+        default="gossip", description="the cluster store (etcd: members are the nodes with "
+        "a live lease; incarnation is their member key's creation revision)")
+    store: dict[str, Any] | None = Field(default=None, description="the store's status "
+                                         "(etcd: up, revision, lease...)")
 
     @classmethod
     def of(cls, snap: dict[str, Any]) -> ClusterMembers:
@@ -66,6 +75,10 @@ def cluster_routes(v1: APIRouter, service: Service) -> None:
             summary="the mesh as this node sees it: members, states, incarnations, RTT",
             tags=["cluster"])
     async def cluster_members() -> ClusterMembers:
+        other = getattr(service, "cluster_members", None)  # a back end other than gossip
+        body = await run_in_threadpool(other) if callable(other) else None
+        if body is not None:
+            return ClusterMembers.model_validate(body)
         peers = getattr(service, "peers", None)
         if peers is None:
             raise NotFoundError("this qosd is not in a mesh (qosd.yaml has no peers: section)")
