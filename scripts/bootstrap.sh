@@ -16,6 +16,9 @@ log() { printf '[bootstrap] %s\n' "$*" >&2; }
 export DEBIAN_FRONTEND=noninteractive
 PKGS=(python3-bpfcc python3-venv python3-dev iproute2 iperf3 libbpf1 ca-certificates systemd
       prometheus etcd-server etcd-client)
+# vagrant/ (tests/test_vagrant.py): `vagrant validate`, which with the libvirt
+# plugin also checks that provider's block, ruby for vagrant/pki.rb, shellcheck
+PKGS+=(vagrant vagrant-libvirt shellcheck)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
