@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 # Bump when a map layout, map set, or program section changes incompatibly.
 # A pinned dataplane with another ABI version is replaced, never adopted.
-ABI_VERSION = 2
+ABI_VERSION = 3  # 3: per-flow and per-stage overrides (boost leaves), FlowInfo.boost
 
 # --------------------------------------------------------------------------
 # Wire format (MMH v1), see docs/wire-format.md
@@ -162,12 +162,37 @@ NO_MODALITY = 0x100  # cb[2] when no header or flow gave one (outside the byte: 
 CB_REASON = 0  # primary reason
 CB_CLASS = 1  # class id chosen (0 = none)
 CB_MODALITY = 2  # modality byte of the header or NO_MODALITY
-CB_FLAGS = 3  # bit0 clamped, bit1 flow learnt/updated, bit2 dscp rewritten
+CB_FLAGS = 3  # bit0 clamped, bit1 flow learnt/updated, bit2 dscp rewritten, bit3 boosted
 CBF_CLAMPED = 0x1
 CBF_FLOW_LEARNT = 0x2
 CBF_DSCP = 0x4
+CBF_BOOSTED = 0x8  # an override put the packet in a boost leaf of its class
 
 CFG_HAS_SRC_RULES = 0x1
+CFG_STAGE_OVERRIDES = 0x2  # stage_ovr_map has entries: look senders up
+CFG_FLOW_OVERRIDES = 0x4  # flow_ovr_map has entries: look flows up
+CFG_OVERRIDES = CFG_STAGE_OVERRIDES | CFG_FLOW_OVERRIDES  # written by set_overrides, kept by up
+
+# Overrides (docs/architecture.md, "Per-flow and per-stage overrides"): a
+# class may have up to MAX_BOOSTS extra HTB leaves, "boost leaves", beside its
+# own 1:<id>.  Boost level l (1..MAX_BOOSTS) of class c is HTB class
+# 1:<BOOST_MINOR_STEP * l + c> (0x41..0xff): never a policy id (1..63) nor the
+# link class 1:40.
+MAX_BOOSTS = 3
+BOOST_MINOR_STEP = MAX_CLASSES  # 0x40
+BOOST_SLOTS = MAX_BOOSTS * MAX_CLASSES  # boost_map: key (level - 1) * MAX_CLASSES + class id
+DEFAULT_MAX_STAGE_OVERRIDES = 1024  # stage_ovr_map size (cflag MM_MAX_STAGE_OVR)
+DEFAULT_MAX_FLOW_OVERRIDES = 4096  # flow_ovr_map size (cflag MM_MAX_FLOW_OVR)
+
+
+def boost_classid(class_id: int, level: int) -> int:
+    """The HTB class id of boost level ``level`` (1..MAX_BOOSTS) of class ``class_id``."""
+    return (HTB_MAJOR << 16) | (BOOST_MINOR_STEP * level + class_id)
+
+
+def boost_slot(class_id: int, level: int) -> int:
+    """The boost_map key of boost level ``level`` of class ``class_id``."""
+    return (level - 1) * MAX_CLASSES + class_id
 
 
 # --------------------------------------------------------------------------
@@ -262,7 +287,8 @@ class FlowInfo(ctypes.Structure):
         ("class_id", ctypes.c_uint8),
         ("modality", ctypes.c_uint8),
         ("flags", ctypes.c_uint8),
-        ("pad", ctypes.c_uint8 * 5),
+        ("boost", ctypes.c_uint8),  # boost level taken at the flow's last message start, 0: none
+        ("pad", ctypes.c_uint8 * 4),
     ]
 
 
@@ -286,6 +312,41 @@ class Meta(ctypes.Structure):
         ("abi_version", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
         ("build_id", ctypes.c_uint64),  # hash of the compiled source + cflags
+    ]
+
+
+class BoostInfo(ctypes.Structure):
+    """boost_map value (ARRAY[BOOST_SLOTS], key = boost_slot(class, level))."""
+
+    _fields_ = [
+        ("classid", ctypes.c_uint32),  # the boost leaf's HTB class id (boost_classid)
+        ("valid", ctypes.c_uint8),  # the leaf exists; overrides may point at it
+        ("weight", ctypes.c_uint8),  # the leaf's weight and prio (user space reads them back)
+        ("prio", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8),
+    ]
+
+
+class StageOvrKey(ctypes.Structure):
+    """stage_ovr_map key (LPM_TRIE): (class, sender prefix).  prefixlen counts
+    from class_id: 32 + the address bits, so the class always matches whole."""
+
+    _fields_ = [
+        ("prefixlen", ctypes.c_uint32),
+        ("class_id", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 3),
+        ("addr", ctypes.c_uint8 * 16),  # be, IPv4-mapped for IPv4
+    ]
+
+
+class OvrInfo(ctypes.Structure):
+    """stage_ovr_map and flow_ovr_map value (flow_ovr_map key: FlowKey, egress)."""
+
+    _fields_ = [
+        ("hits", ctypes.c_uint64),  # times it chose a leaf: TCP per message, UDP per datagram
+        ("class_id", ctypes.c_uint8),  # the class it boosts (another class: no effect)
+        ("level", ctypes.c_uint8),  # 1..MAX_BOOSTS
+        ("pad", ctypes.c_uint8 * 6),
     ]
 
 
@@ -334,6 +395,9 @@ STRUCTS: list[tuple[str, type[ctypes.Structure]]] = [
     ("mm_class_counter", ClassCounter),
     ("mm_stats", Stats),
     ("mm_meta", Meta),
+    ("mm_boost_info", BoostInfo),
+    ("mm_stage_ovr_key", StageOvrKey),
+    ("mm_ovr_info", OvrInfo),
     ("mm_tlv_out", TlvOut),
     ("mm_scratch", Scratch),
 ]
@@ -378,6 +442,12 @@ MAPS: tuple[MapDef, ...] = (
            "Counters: key = direction (MM_DIR_*), one copy per CPU."),
     MapDef("scratch_map", "percpu_array", ctypes.c_uint32, Scratch, "1",
            "Scratch space for a whole MMH header and the TLV walk's results.", user=False),
+    MapDef("boost_map", "array", ctypes.c_uint32, BoostInfo, "MM_BOOST_SLOTS",
+           "Overrides: (level, class) -> boost leaf (valid only while the leaf exists)."),
+    MapDef("stage_ovr_map", "lpm_trie", StageOvrKey, OvrInfo, "MM_MAX_STAGE_OVR",
+           "Overrides: (class, sender prefix) -> boost level, hits.", no_prealloc=True),
+    MapDef("flow_ovr_map", "hash", FlowKey, OvrInfo, "MM_MAX_FLOW_OVR",
+           "Overrides: egress flow (5-tuple) -> class, boost level, hits."),
 )
 MAP_NAMES: tuple[str, ...] = tuple(m.name for m in MAPS)
 MAP_LAYOUTS: dict[str, tuple[CType, CType]] = {m.name: (m.key, m.value) for m in MAPS}
@@ -423,7 +493,12 @@ def constants() -> dict[str, int]:
         "MM_CBF_CLAMPED": CBF_CLAMPED,
         "MM_CBF_FLOW_LEARNT": CBF_FLOW_LEARNT,
         "MM_CBF_DSCP": CBF_DSCP,
+        "MM_CBF_BOOSTED": CBF_BOOSTED,
         "MM_CFG_HAS_SRC_RULES": CFG_HAS_SRC_RULES,
+        "MM_CFG_STAGE_OVERRIDES": CFG_STAGE_OVERRIDES,
+        "MM_CFG_FLOW_OVERRIDES": CFG_FLOW_OVERRIDES,
+        "MM_MAX_BOOSTS": MAX_BOOSTS,
+        "MM_BOOST_SLOTS": BOOST_SLOTS,
         "MM_TLV_FIXED_UNSET": 0xFF,
         "MM_SCRATCH_SIZE": MM_SCRATCH_SIZE,
     }
@@ -446,6 +521,8 @@ def constants() -> dict[str, int]:
 TUNABLES: dict[str, int] = {
     "MM_MAX_FLOWS": DEFAULT_MAX_FLOWS,
     "MM_MAX_SRC_RULES": DEFAULT_MAX_SRC_RULES,
+    "MM_MAX_STAGE_OVR": DEFAULT_MAX_STAGE_OVERRIDES,
+    "MM_MAX_FLOW_OVR": DEFAULT_MAX_FLOW_OVERRIDES,
 }
 
 

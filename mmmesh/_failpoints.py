@@ -21,11 +21,16 @@ import signal
 POINTS: dict[str, str] = {
     "store.prepare.written": "qosd/store.py: the pending version file is on disk",
     "dataplane.up.pinned": "dataplane/_handle.py: programs and maps pinned (or adopted)",
-    "dataplane.up.htb_added": "dataplane/_handle.py: the new policy's HTB classes exist",
+    "dataplane.up.htb_added": ("dataplane/_handle.py: the new policy's HTB classes and boost "
+                               "leaves exist (set_overrides passes it too)"),
     "maps.classes_written": "dataplane/_maps.py: class_map holds the new classes",
     "maps.refs_written": "dataplane/_maps.py: modalities, sources and config point at them",
     "dataplane.up.maps_written": "dataplane/_handle.py: the maps hold the new policy",
-    "dataplane.up.htb_pruned": "dataplane/_handle.py: classes of the old policy deleted",
+    "maps.boosts_written": "dataplane/_maps.py: boost_map marks the new boost leaves valid",
+    "maps.overrides_written": "dataplane/_maps.py: stage/flow overrides point at them",
+    "maps.overrides_pruned": "dataplane/_maps.py: stale overrides and unused boosts removed",
+    "dataplane.up.htb_pruned": ("dataplane/_handle.py: classes of the old policy and unused "
+                                "boost leaves deleted"),
     "dataplane.up.attached": "dataplane/_handle.py: programs attached",
     "service.apply.reconciled": "qosd/service.py: the kernel holds the new version",
     "store.activate.current": "qosd/store.py: current.json names the new version",

@@ -5,6 +5,11 @@ About 180,000 random and mutated frames go through one private copy of
 (TC_ACT_OK), get the priority of a class of the policy, and never get a class
 more privileged than the source rule covering its source address allows.
 
+Overrides are loaded (tests/overrides_kit.py: stage overrides that nest, one
+the clamp makes dead, flow overrides): a frame's priority may be a boost leaf
+of its class, never a leaf of another class, and for well-formed frames it
+must be the one the override step of tests/overrides_kit.py gives.
+
 Every frame's output bytes are checked against the class it should have:
 when that class has a DSCP and the frame is IPv4/IPv6 on egress, the output
 must carry that DSCP (ECN kept, a valid IPv4 checksum staying valid, no other
@@ -57,6 +62,8 @@ from mmmesh.dataplane.classify import Classifier, Verdict  # noqa: E402
 from mmmesh.policy import Policy, reference_verdict  # noqa: E402
 from mmmesh.wire import Header, decode_header, encode_header  # noqa: E402
 from tests.bpf_fuzz_frames import (  # noqa: E402
+    DST4,
+    DST6,
     ETH_P_8021AD,
     ETH_P_8021Q,
     ETH_P_IP,
@@ -76,6 +83,13 @@ from tests.bpf_fuzz_frames import (  # noqa: E402
     mutate_frame,
     special_payload,
     with_ip_csum,
+)
+from tests.overrides_kit import (  # noqa: E402
+    FUZZ_ADAPT,
+    FUZZ_OVERRIDES,
+    OverrideModel,
+    mapped16,
+    with_adapt,
 )
 
 pytestmark = pytest.mark.privileged
@@ -97,6 +111,7 @@ class Expect:
     clamped: bool
     modality: str | int | None
     why: str  # what the Python side saw, for the failure report
+    priority: int | None = None  # egress: the class's leaf or the override's boost leaf
 
 
 def reported_modality(mod: int | None, reason: str) -> str | int | None:
@@ -130,10 +145,21 @@ class Reference:
     ``decode_header`` for the header, ``reference_verdict`` for its class, and a
     dict for the TCP flow table (5-tuple + direction -> class, modality)."""
 
-    def __init__(self, policy: Policy, stats: Counter[str]) -> None:
+    def __init__(self, policy: Policy, stats: Counter[str], ovr: OverrideModel) -> None:
         self.policy = policy
         self.stats = stats
-        self.flows: dict[tuple[int, bytes, int, int, str], tuple[int, int]] = {}
+        self.ovr = ovr
+        self.classid = {c.id: c.classid for c in policy.classes}
+        # 5-tuple + direction -> class, modality, boost level (docs/architecture.md)
+        self.flows: dict[tuple[int, bytes, int, int, str], tuple[int, int, int]] = {}
+
+    def leaf(self, f: Frame, direction: str, cid: int, level: int) -> int | None:
+        """The priority an egress frame of class ``cid`` at boost ``level`` gets."""
+        if direction != "egress":
+            return None
+        prio = self.ovr.priority(self.classid[cid], cid, level, cid)
+        self.stats["xc:boosted"] += prio != self.classid[cid]
+        return prio
 
     def header(self, f: Frame) -> tuple[str, Header | None, str]:
         """("ok" | "bad" | "none", the header if ok, what was seen)."""
@@ -164,18 +190,24 @@ class Reference:
                                     bitrate=h.bitrate, density=h.density, src_ip=src)
             self.stats[f"xc:via_{ref.via}"] += 1
             self.stats["xc:clamped"] += ref.clamped
+            level = 0 if direction != "egress" else self.ovr.level(
+                src16=mapped16(f.src), dst16=mapped16(DST4 if f.l3 == 4 else DST6),
+                sport=f.sport, dport=f.dport, proto=f.proto, class_id=ref.cls.id)
             out = Expect("parsed", ref.cls.id, ref.clamped, reported_modality(h.modality, "parsed"),
-                         f"reference: class={ref.cls.name} via={ref.via} header={h}")
+                         f"reference: class={ref.cls.name} via={ref.via} boost={level} "
+                         f"header={h}", self.leaf(f, direction, ref.cls.id, level))
             if f.proto == 6:
-                self.flows[key] = (ref.cls.id, h.modality)
+                self.flows[key] = (ref.cls.id, h.modality, level)
         elif f.proto == 6 and key in self.flows:
-            cid, mod = self.flows[key]
+            cid, mod, level = self.flows[key]
             reason = "malformed" if status == "bad" else "flow_hit"
             self.stats[f"xc:tcp_{reason}_of_flow"] += 1
-            out = Expect(reason, cid, False, reported_modality(mod, reason), f"flow: {seen}")
+            out = Expect(reason, cid, False, reported_modality(mod, reason), f"flow: {seen}",
+                         self.leaf(f, direction, cid, level))
         else:
             reason = "malformed" if status == "bad" else "not_mesh"
-            out = Expect(reason, self.policy.default.id, False, None, seen)
+            out = Expect(reason, self.policy.default.id, False, None, seen,
+                         self.leaf(f, direction, self.policy.default.id, 0))
         if f.proto == 6 and f.tcp_flags & (TCP_FIN | TCP_RST) and self.flows.pop(key, None):
             self.stats["xc:flow_ended_by_fin_rst"] += 1
         return out
@@ -224,7 +256,10 @@ class Fuzzer:
                           self.name_rank[sr.max_class], sr.max_class))
         self.rules = sorted(rules, reverse=True)  # longest prefix first
         self.restricted24 = ipaddress.IPv6Network("::ffff:10.0.99.0/120")
-        self.reference = Reference(p, self.stats)
+        self.ovr = OverrideModel.from_entries(self.clf.overrides(), p)
+        self.leaves = {c.id: {c.classid} | {leaf for (cid, _), leaf in self.ovr.leaves.items()
+                                            if cid == c.id} for c in p.classes}
+        self.reference = Reference(p, self.stats, self.ovr)
 
     # -- helpers ---------------------------------------------------------
     def cap(self, src16: bytes) -> tuple[int, str] | None:
@@ -275,6 +310,9 @@ class Fuzzer:
                 self.fail("BPF and the Python reference disagree", f, v, direction,
                           f"want reason={want.reason} class={self.names.get(want.class_id)} "
                           f"clamped={want.clamped} modality={want.modality!r}; {want.why}")
+            elif want.priority is not None and v.priority != want.priority:
+                self.fail("BPF and the override step disagree on the leaf", f, v, direction,
+                          f"want priority={want.priority:#x}; {want.why}")
         self.check_bytes(f, v, direction, v.class_id if want is None else want.class_id)
         return v
 
@@ -286,7 +324,7 @@ class Fuzzer:
             if v.priority != 0 or (v.class_id and v.class_id not in self.classid):
                 self.fail("ingress set a priority or a class not in the policy", f, v,
                           direction)
-        elif v.class_id not in self.classid or v.priority != self.classid[v.class_id]:
+        elif v.class_id not in self.classid or v.priority not in self.leaves[v.class_id]:
             if not (v.priority == 0 and v.class_id == 0):
                 self.fail("priority/class not from the policy", f, v, direction)
             else:  # a policy is loaded, so the default class always applies
@@ -339,12 +377,12 @@ class Fuzzer:
 # --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def policy() -> Policy:
-    return fuzz_policy()
+    return with_adapt(fuzz_policy(), FUZZ_ADAPT)  # the overrides' boosts need adapt ranges
 
 
 @pytest.fixture(scope="module")
 def clf(policy: Policy) -> Iterator[Classifier]:
-    c = Classifier(policy)
+    c = Classifier(policy, overrides=FUZZ_OVERRIDES)
     yield c
     c.close()
 
@@ -427,6 +465,7 @@ def test_udp_mmh_cross_check(fuzzer: Fuzzer) -> None:
     assert fuzzer.stats["bytes:dscp_rewritten_ipv4"] > _n(5_000)
     assert fuzzer.stats["bytes:dscp_rewritten_ipv6"] > _n(2_000)
     assert fuzzer.stats["bytes:ipv4_csum_checked"] > _n(5_000)
+    assert fuzzer.stats["xc:boosted"] > _n(2_000)
 
 
 def test_tcp_flows(fuzzer: Fuzzer) -> None:
@@ -455,6 +494,7 @@ def test_tcp_flows(fuzzer: Fuzzer) -> None:
     assert fuzzer.stats["xc:tcp_malformed_of_flow"] > _n(50)
     assert fuzzer.stats["xc:flow_ended_by_fin_rst"] > _n(500)
     assert fuzzer.stats["xc:parsed"] > _n(5_000)
+    assert fuzzer.stats["xc:boosted"] > _n(500)
 
 
 def test_structural_mutations(fuzzer: Fuzzer) -> None:

@@ -6,7 +6,7 @@
 #ifndef MM_ABI_H
 #define MM_ABI_H
 
-#define MM_ABI_VERSION 2
+#define MM_ABI_VERSION 3
 #define MM_MAGIC_V1 0x4d4d4801
 #define MM_MAGIC_U24 0x4d4d48
 #define MM_VERSION 1
@@ -40,7 +40,12 @@
 #define MM_CBF_CLAMPED 1
 #define MM_CBF_FLOW_LEARNT 2
 #define MM_CBF_DSCP 4
+#define MM_CBF_BOOSTED 8
 #define MM_CFG_HAS_SRC_RULES 1
+#define MM_CFG_STAGE_OVERRIDES 2
+#define MM_CFG_FLOW_OVERRIDES 4
+#define MM_MAX_BOOSTS 3
+#define MM_BOOST_SLOTS 0xc0
 #define MM_TLV_FIXED_UNSET 0xff
 #define MM_SCRATCH_SIZE 0x200
 #define MM_MOD_UNSPEC 0
@@ -122,6 +127,12 @@
 #endif
 #ifndef MM_MAX_SRC_RULES
 #define MM_MAX_SRC_RULES 1024
+#endif
+#ifndef MM_MAX_STAGE_OVR
+#define MM_MAX_STAGE_OVR 1024
+#endif
+#ifndef MM_MAX_FLOW_OVR
+#define MM_MAX_FLOW_OVR 4096
 #endif
 #ifndef MM_SOCK_MAX
 #define MM_SOCK_MAX 16384
@@ -235,7 +246,8 @@ struct mm_flow_info {
 	__u8 class_id;
 	__u8 modality;
 	__u8 flags;
-	__u8 pad[5];
+	__u8 boost;
+	__u8 pad[4];
 } __attribute__((aligned(8)));
 _Static_assert(sizeof(struct mm_flow_info) == 32, "mm_flow_info size");
 _Static_assert(__builtin_offsetof(struct mm_flow_info, last_seen_ns) == 0, "mm_flow_info.last_seen_ns");
@@ -244,7 +256,8 @@ _Static_assert(__builtin_offsetof(struct mm_flow_info, bytes) == 16, "mm_flow_in
 _Static_assert(__builtin_offsetof(struct mm_flow_info, class_id) == 24, "mm_flow_info.class_id");
 _Static_assert(__builtin_offsetof(struct mm_flow_info, modality) == 25, "mm_flow_info.modality");
 _Static_assert(__builtin_offsetof(struct mm_flow_info, flags) == 26, "mm_flow_info.flags");
-_Static_assert(__builtin_offsetof(struct mm_flow_info, pad) == 27, "mm_flow_info.pad");
+_Static_assert(__builtin_offsetof(struct mm_flow_info, boost) == 27, "mm_flow_info.boost");
+_Static_assert(__builtin_offsetof(struct mm_flow_info, pad) == 28, "mm_flow_info.pad");
 
 struct mm_class_counter {
 	__u64 packets;
@@ -271,6 +284,44 @@ _Static_assert(sizeof(struct mm_meta) == 16, "mm_meta size");
 _Static_assert(__builtin_offsetof(struct mm_meta, abi_version) == 0, "mm_meta.abi_version");
 _Static_assert(__builtin_offsetof(struct mm_meta, flags) == 4, "mm_meta.flags");
 _Static_assert(__builtin_offsetof(struct mm_meta, build_id) == 8, "mm_meta.build_id");
+
+struct mm_boost_info {
+	__u32 classid;
+	__u8 valid;
+	__u8 weight;
+	__u8 prio;
+	__u8 pad;
+} __attribute__((aligned(4)));
+_Static_assert(sizeof(struct mm_boost_info) == 8, "mm_boost_info size");
+_Static_assert(__builtin_offsetof(struct mm_boost_info, classid) == 0, "mm_boost_info.classid");
+_Static_assert(__builtin_offsetof(struct mm_boost_info, valid) == 4, "mm_boost_info.valid");
+_Static_assert(__builtin_offsetof(struct mm_boost_info, weight) == 5, "mm_boost_info.weight");
+_Static_assert(__builtin_offsetof(struct mm_boost_info, prio) == 6, "mm_boost_info.prio");
+_Static_assert(__builtin_offsetof(struct mm_boost_info, pad) == 7, "mm_boost_info.pad");
+
+struct mm_stage_ovr_key {
+	__u32 prefixlen;
+	__u8 class_id;
+	__u8 pad[3];
+	__u8 addr[16];
+} __attribute__((aligned(4)));
+_Static_assert(sizeof(struct mm_stage_ovr_key) == 24, "mm_stage_ovr_key size");
+_Static_assert(__builtin_offsetof(struct mm_stage_ovr_key, prefixlen) == 0, "mm_stage_ovr_key.prefixlen");
+_Static_assert(__builtin_offsetof(struct mm_stage_ovr_key, class_id) == 4, "mm_stage_ovr_key.class_id");
+_Static_assert(__builtin_offsetof(struct mm_stage_ovr_key, pad) == 5, "mm_stage_ovr_key.pad");
+_Static_assert(__builtin_offsetof(struct mm_stage_ovr_key, addr) == 8, "mm_stage_ovr_key.addr");
+
+struct mm_ovr_info {
+	__u64 hits;
+	__u8 class_id;
+	__u8 level;
+	__u8 pad[6];
+} __attribute__((aligned(8)));
+_Static_assert(sizeof(struct mm_ovr_info) == 16, "mm_ovr_info size");
+_Static_assert(__builtin_offsetof(struct mm_ovr_info, hits) == 0, "mm_ovr_info.hits");
+_Static_assert(__builtin_offsetof(struct mm_ovr_info, class_id) == 8, "mm_ovr_info.class_id");
+_Static_assert(__builtin_offsetof(struct mm_ovr_info, level) == 9, "mm_ovr_info.level");
+_Static_assert(__builtin_offsetof(struct mm_ovr_info, pad) == 10, "mm_ovr_info.pad");
 
 struct mm_tlv_out {
 	__u32 fps;

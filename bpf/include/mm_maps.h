@@ -24,6 +24,12 @@ BPF_TABLE("lru_hash", struct mm_flow_key, struct mm_flow_info, flow_map, MM_MAX_
 BPF_TABLE("percpu_array", __u32, struct mm_stats, stats_map, MM_NR_DIRS);
 /* Scratch space for a whole MMH header and the TLV walk's results. */
 BPF_TABLE("percpu_array", __u32, struct mm_scratch, scratch_map, 1);
+/* Overrides: (level, class) -> boost leaf (valid only while the leaf exists). */
+BPF_TABLE("array", __u32, struct mm_boost_info, boost_map, MM_BOOST_SLOTS);
+/* Overrides: (class, sender prefix) -> boost level, hits. */
+BPF_F_TABLE("lpm_trie", struct mm_stage_ovr_key, struct mm_ovr_info, stage_ovr_map, MM_MAX_STAGE_OVR, BPF_F_NO_PREALLOC);
+/* Overrides: egress flow (5-tuple) -> class, boost level, hits. */
+BPF_TABLE("hash", struct mm_flow_key, struct mm_ovr_info, flow_ovr_map, MM_MAX_FLOW_OVR);
 
 /* Programs (SCHED_CLS, attached with clsact): direction -> function. */
 int mm_egress(struct __sk_buff *skb); /* egress */

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Policy lookup: header -> class id, source-rule clamp, flow table, priority,
- * DSCP, counters.  The pure-Python reference of the same semantics is
- * mmmesh.policy.classify_reference(); tests compare the two. */
+/* Policy lookup: header -> class id, source-rule clamp, flow table, override
+ * (boost leaf), priority, DSCP, counters.  The pure-Python reference of the
+ * same semantics is mmmesh.policy.classify_reference() (the override step:
+ * tests/overrides_kit.py); tests compare the two. */
 #ifndef MM_CLASSIFY_H
 #define MM_CLASSIFY_H
 
@@ -81,6 +82,54 @@ static __always_inline __u32 mm_clamp(const struct mm_pkt *p, const struct mm_co
 	return cid;
 }
 
+/* Overrides (docs/architecture.md, "Per-flow and per-stage overrides"): the
+ * boost level of a parsed egress frame of class cid (after the clamp): a flow
+ * override of this 5-tuple for that class, else the longest stage override
+ * (class, sender prefix); 0: none.  Only looked up when user space has loaded
+ * some (cfg flags).  Hits are atomic: only frames with an override pay. */
+static __always_inline __u8 mm_override(struct mm_pkt *p, const struct mm_config *cfg,
+					__u32 cid)
+{
+	struct mm_ovr_info *ov = 0;
+
+	if (cfg->flags & MM_CFG_FLOW_OVERRIDES) {
+		ov = flow_ovr_map.lookup(&p->key);
+		/* An override for another class: a source rule or the policy
+		 * moved the flow since; the clamp wins. */
+		if (ov && ov->class_id != cid)
+			ov = 0;
+	}
+	if (!ov && (cfg->flags & MM_CFG_STAGE_OVERRIDES)) {
+		struct mm_stage_ovr_key k = {};
+
+		k.prefixlen = 32 + 128;
+		k.class_id = cid;
+		__builtin_memcpy(k.addr, p->key.saddr, 16);
+		ov = stage_ovr_map.lookup(&k);
+	}
+	if (!ov || !ov->level || ov->level > MM_MAX_BOOSTS)
+		return 0;
+	__sync_fetch_and_add(&ov->hits, 1);
+	return ov->level;
+}
+
+/* The HTB class of boost level `level` of class cid, 0 when that leaf is not
+ * (or no longer) there: user space marks a boost valid only once its leaf
+ * exists and invalidates it before deleting the leaf. */
+static __always_inline __u32 mm_boost_classid(__u32 cid, __u32 level)
+{
+	struct mm_boost_info *b;
+	__u32 k;
+
+	if (!level || level > MM_MAX_BOOSTS)
+		return 0;
+	k = (level - 1) * MM_MAX_CLASSES + (cid & (MM_MAX_CLASSES - 1));
+	b = boost_map.lookup(&k);
+	if (!b || !b->valid)
+		return 0;
+	return b->classid;
+}
+
 /* Rewrites the DSCP bits, keeping ECN; IPv4 header checksum fixed
  * incrementally.  Invalidates packet pointers: call last. */
 static __always_inline int mm_set_dscp(struct __sk_buff *skb, const struct mm_pkt *p, __u8 dscp)
@@ -121,7 +170,8 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 	struct mm_stats *st;
 	struct mm_flow_info *fl = 0;
 	__u32 zero = 0, reason = MM_R_NOT_MESH, cid, d = dir;
-	__u8 flags = 0;
+	__u32 boost_cid = 0; /* the class `boost` was chosen for */
+	__u8 flags = 0, boost = 0;
 	__u32 modality = MM_NO_MODALITY; /* a header's or flow's byte, or 0x100: none */
 	int hs = MM_HDR_NONE;
 
@@ -143,6 +193,12 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 		modality = h.modality;
 		cid = mm_pick_class(&h, tv, cfg);
 		cid = mm_clamp(&p, cfg, cid, &flags);
+		/* The leaf is chosen here, at a frame's header: for TCP the start
+		 * of a message, which the flow keeps for its other segments. */
+		if (dir == MM_DIR_EGRESS && (cfg->flags & (MM_CFG_STAGE_OVERRIDES |
+							   MM_CFG_FLOW_OVERRIDES)))
+			boost = mm_override(&p, cfg, cid);
+		boost_cid = cid;
 		if (p.key.proto == MM_IPPROTO_TCP) {
 			fl = flow_map.lookup(&p.key);
 			if (!fl) {
@@ -151,6 +207,7 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 				nf.last_seen_ns = mm_now_ns();
 				nf.class_id = cid;
 				nf.modality = h.modality;
+				nf.boost = boost;
 				flow_map.update(&p.key, &nf);
 				fl = flow_map.lookup(&p.key);
 				flags |= MM_CBF_FLOW_LEARNT;
@@ -161,6 +218,8 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 				flags |= MM_CBF_FLOW_LEARNT;
 				st->reason[MM_R_FLOW_UPDATE]++;
 			}
+			if (fl)
+				fl->boost = boost;
 		}
 	} else if (p.has_l4 && p.key.proto == MM_IPPROTO_TCP) {
 		/* No header (or, mid-flow, bytes that only look like a broken one:
@@ -169,7 +228,10 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 		if (fl) {
 			reason = hs == MM_HDR_BAD ? MM_R_MALFORMED : MM_R_FLOW_HIT;
 			modality = fl->modality;
-			/* Source rules may have changed since the flow was learnt. */
+			boost = fl->boost;
+			boost_cid = fl->class_id;
+			/* Source rules may have changed since the flow was learnt (then
+			 * cid != boost_cid: the boost no longer applies). */
 			cid = mm_clamp(&p, cfg, fl->class_id, &flags);
 		} else if (hs == MM_HDR_BAD) {
 			reason = MM_R_MALFORMED;
@@ -201,7 +263,11 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 		/* Egress only: on ingress, a priority that equals an HTB class id
 		 * would follow forwarded packets to other devices' qdiscs. */
 		if (dir == MM_DIR_EGRESS) {
-			skb->priority = ci->classid;
+			__u32 bc = boost && cid == boost_cid ? mm_boost_classid(cid, boost) : 0;
+
+			skb->priority = bc ? bc : ci->classid;
+			if (bc)
+				flags |= MM_CBF_BOOSTED;
 			if (ci->dscp != MM_DSCP_KEEP && p.l3 && mm_set_dscp(skb, &p, ci->dscp)) {
 				flags |= MM_CBF_DSCP;
 				st->reason[MM_R_DSCP_REWRITE]++;

@@ -11,6 +11,9 @@ The public face is small::
     dp.stats()                             # DataplaneStats: counters + flow census (metrics)
     dp.flows()                             # [Flow]: the TCP flow table, decoded
     dp.htb_classes()                       # {classid: HtbClassStats}
+    dp.set_overrides(Overrides(stages=(StageOverride("voice", "10.1.0.7/32", Boost(weight=8)),)),
+                     effective, bounds=policy)  # boost leaves, override maps (architecture.md)
+    dp.overrides(policy)                   # [OverrideEntry]: what the kernel holds, hits
     dp.down()                              # detach, unpin, restore the device
 
 The socket layer (sockops + SOCKHASH + sk_msg on a cgroup v2, docs/socklayer.md)
@@ -21,7 +24,9 @@ has a handle of its own::
     sl.set_weights(2, [3, 1]); sl.set_redirect(False); sl.flows(); sl.down()
 
 Results are typed values (``_types.py``, ``_socklayer.py``), errors are
-``DataplaneError``.
+``DataplaneError``.  Overrides (``_overrides.py``: ``Boost``, ``StageOverride``,
+``FlowOverride``, ``Overrides``, ``OverrideEntry``) send a stage's or a flow's
+frames into a boost leaf of their class.
 Heavy imports (bcc, pyroute2) happen only in the calls that need them; bcc
 only ever in a short-lived child process (``_bcc.py``).  Private modules:
 ``_pins`` (bpffs, adoption, staging), ``_maps`` (typed maps), ``_bpf`` (libbpf
@@ -32,6 +37,7 @@ via ctypes), ``_netlink`` (pyroute2: clsact, filters, HTB), ``_compile``
 """
 
 from ._handle import Dataplane, link_exists
+from ._overrides import Boost, FlowOverride, OverrideEntry, Overrides, StageOverride
 from ._pins import PIN_ROOT, ensure_bpffs
 from ._socklayer import (
     Endpoint,
@@ -56,6 +62,7 @@ from ._types import (
 
 __all__ = [
     "PIN_ROOT",
+    "Boost",
     "ClassStatus",
     "Dataplane",
     "DataplaneStats",
@@ -64,13 +71,17 @@ __all__ = [
     "Endpoint",
     "Flow",
     "FlowCensus",
+    "FlowOverride",
     "HtbClassStats",
+    "OverrideEntry",
+    "Overrides",
     "SocketFlow",
     "SocketLayer",
     "SocketState",
     "SocketStats",
     "SocketStatus",
     "SocketUpResult",
+    "StageOverride",
     "UpResult",
     "ensure_bpffs",
     "handle",

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ..policy import load_policy
+from ._overrides import Overrides
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +47,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                      help="Ethernet frames as hex (several per flag, and the flag repeated)")
     src.add_argument("--pcap", help="pcap file of Ethernet frames")
     p.add_argument("--direction", choices=("egress", "ingress"), default="egress")
+    p.add_argument("--overrides", metavar="FILE",
+                   help="per-stage and per-flow overrides (YAML or JSON, docs/architecture.md); "
+                        "--json then adds 'boosted'")
     p.add_argument("--json", action="store_true", help="one JSON object per packet")
     p.set_defaults(func=_classify)
 
@@ -108,20 +112,35 @@ def _frames(a: argparse.Namespace) -> list[bytes]:
     return [bytes(p) for p in rdpcap(a.pcap)]
 
 
+def _overrides(path: str | None) -> Overrides | None:
+    if path is None:
+        return None
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise SystemExit(f"mmmesh: error: --overrides {path}: {e}") from e
+    return Overrides.from_dict(data)
+
+
 def _classify(a: argparse.Namespace) -> int:
     from .classify import Classifier
 
     pol = load_policy(a.policy)
+    ovr = _overrides(a.overrides)
     frames = _frames(a)
-    with Classifier(pol) as clf:
+    with Classifier(pol, overrides=ovr) as clf:
         for i, f in enumerate(frames):
             v = clf.run(f, a.direction)
-            d: dict[str, Any] = {"index": i, **v.as_json()}
+            d: dict[str, Any] = {"index": i, **v.as_json(overrides=ovr is not None)}
             if a.json:
                 print(json.dumps(d, sort_keys=True))
             else:
                 print(f"{i:>4} {v.verdict:<5} prio={v.classid or '-':<6} "
                       f"class={v.class_ or '-':<12} modality={v.modality or '-':<12} "
-                      f"reason={v.reason}{' clamped' if v.clamped else ''}")
+                      f"reason={v.reason}{' clamped' if v.clamped else ''}"
+                      f"{' boosted' if v.boosted else ''}")
     sys.stdout.flush()
     return 0

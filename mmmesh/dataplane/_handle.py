@@ -1,8 +1,8 @@
 """``Dataplane``: the one way into the kernel for one device.
 
 Everything outside ``mmmesh.dataplane`` (qosd, the demo, the benches) brings
-the classifier up or down, reads its state and checks it for drift through a
-``Dataplane`` handle; the modules behind it (``_pins``, ``_maps``, ``_bpf``,
+the classifier up or down, sets its per-flow and per-stage overrides, reads
+its state and checks it for drift through a ``Dataplane`` handle; the modules behind it (``_pins``, ``_maps``, ``_bpf``,
 ``_netlink``, ``_bcc``) are private.  A handle holds no kernel resources
 between calls: each call opens what it needs and closes it again, so handles
 are cheap and safe to share between threads.
@@ -10,43 +10,91 @@ are cheap and safe to share between threads.
 
 from __future__ import annotations
 
-import ipaddress
+import errno
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from .. import _abi
 from .._errors import DataplaneError
 from .._failpoints import failpoint
 from ..policy import Policy
 from . import _bpf, _pins
-from ._compile import compile_policy
-from ._maps import Maps
+from ._compile import (
+    BoostLeaf,
+    CompiledOverrides,
+    CompiledPolicy,
+    boosted_spec,
+    compile_overrides,
+    compile_policy,
+    transition_spec,
+)
+from ._maps import Maps, addr_text, be16
+from ._overrides import FlowOverride, OverrideEntry, Overrides, StageOverride
 from ._types import (
     ClassStatus,
     DataplaneStats,
     DataplaneStatus,
     Flow,
     HtbClassStats,
+    HtbSpec,
     UpResult,
     handle,
 )
 
+if TYPE_CHECKING:
+    from ._netlink import Netlink
+
 log = logging.getLogger("mmmesh.dataplane")
 
 _DIRECTIONS = {_abi.DIR_EGRESS: "egress", _abi.DIR_INGRESS: "ingress"}
+DRAIN_S = 1.0  # how long a boost leaf that goes away may take to send what it holds
 
 
-def _addr(raw: bytes) -> str:
-    """A 16-byte map address as text (IPv4-mapped addresses as IPv4)."""
-    if raw[:12] == b"\0" * 10 + b"\xff\xff":
-        return str(ipaddress.IPv4Address(raw[12:]))
-    return str(ipaddress.IPv6Address(raw))
+def _kept_overrides(maps: Maps, policy: Policy) -> CompiledOverrides:
+    """The kernel's overrides that still hold under ``policy`` (their class is
+    still there, their boost still safe); the others are left out."""
+    names = {c.id: c.name for c in policy.classes}
+    held = maps.override_entries(names)
+    entries = [e.override for e in held if e.override.cls in names.values()]
+    kept = Overrides(tuple(o for o in entries if isinstance(o, StageOverride)),
+                     tuple(o for o in entries if isinstance(o, FlowOverride)))
+    co = compile_overrides(policy, kept, current=maps.read_boosts(), drop_invalid=True)
+    if len(held) != len(co.stages) + len(co.flows):
+        log.warning("overrides no longer valid under the new policy were removed: %s",
+                    "; ".join(co.dropped) or "their class is gone")
+    return co
 
 
-def _be16(v: int) -> int:
-    """A ``be`` u16 map field read as a host-order (little-endian) integer."""
-    return int.from_bytes(int(v).to_bytes(2, "little"), "big")
+def _drain(nl: Netlink, idx: int, classids: set[int]) -> None:
+    """Waits (at most DRAIN_S) until the HTB leaves ``classids`` hold nothing:
+    deleting a class drops what it holds."""
+    deadline = time.monotonic() + DRAIN_S
+    while classids:
+        have = nl.htb_classes(idx)
+        if all(have[c].qlen == 0 for c in classids if c in have):
+            return
+        if time.monotonic() > deadline:
+            log.warning("boost leaves still hold packets after %.1f s; deleting them", DRAIN_S)
+            return
+        time.sleep(0.01)
+
+
+def _not_applied(nl: Netlink, idx: int, maps: Maps, policy: Policy, spec: HtbSpec) -> str | None:
+    """Why ``policy`` is not what the device runs, None when it is (our HTB
+    root with its default class, the same classes in class_map)."""
+    from ._netlink import HTB_ROOT
+
+    if nl.root_qdisc(idx) != ("htb", HTB_ROOT) or nl.htb_default(idx) != spec.default_minor:
+        return "the device's HTB root is not the one up() made for this policy"
+    want = {c.id: c.classid for c in policy.classes}
+    for cid in range(1, _abi.MAX_CLASSES):
+        info = maps.classes.lookup(cid)
+        have = int(info.classid) if info is not None and info.valid else None
+        if have != want.get(cid):
+            return f"class id {cid} differs between the maps and the policy"
+    return None
 
 
 def link_exists(iface: str, netns: str | None = None) -> bool:
@@ -93,17 +141,10 @@ class Dataplane:
                                 "incomplete)", self.pin_dir)
                 _pins.load_and_pin(self.pin_dir, tunables, build)
             failpoint("dataplane.up.pinned")
-            # The order keeps every mix of old and new safe (a crash can stop
-            # it anywhere): the new classes exist before the maps point at
-            # them, the old ones go only after nothing points at them.
             assert compiled.htb is not None
-            nl.add_htb(idx, compiled.htb, force=force)
-            failpoint("dataplane.up.htb_added")
             with Maps.open_pinned(self.pin_dir) as maps:
-                maps.write_policy(compiled)
-            failpoint("dataplane.up.maps_written")
-            nl.prune_htb(idx, compiled.htb)
-            failpoint("dataplane.up.htb_pruned")
+                co = _kept_overrides(maps, policy)
+                self._converge(nl, idx, maps, compiled.htb, co, compiled, force=force)
             nl.ensure_clsact(idx)
             attached = nl.bpf_filters(idx)
             prog_ids: dict[str, int] = {}
@@ -121,6 +162,61 @@ class Dataplane:
                     os.close(fd)
             failpoint("dataplane.up.attached")
         return UpResult(self.iface, self.netns, state == "adopt", prog_ids, version)
+
+    def set_overrides(self, overrides: Overrides, policy: Policy, *,
+                      bounds: Policy | None = None) -> list[OverrideEntry]:
+        """Makes the device hold exactly ``overrides`` (empty: none): boost
+        leaves created, changed or deleted, the override maps rewritten.
+
+        ``policy`` is the policy the last :meth:`up` applied (the controller's
+        effective one); its class values are what a boost's ``None`` fields
+        take and what the boost leaves split.  Boosts must lie within the
+        ``adapt`` ranges of ``bounds`` (the operator's policy; default:
+        ``policy``).  Crash-safe like ``up``: leaves exist before an entry
+        points at them, entries go before their leaves.  Returns the entries
+        as loaded.  DataplaneError: no dataplane, another policy applied, or
+        an override refused (EINVAL, every problem named)."""
+        from ._netlink import Netlink
+
+        if not self.loaded():
+            raise DataplaneError(errno.ENOENT, f"no dataplane on {self.iface}: run up first")
+        spec = compile_policy(policy).htb
+        assert spec is not None
+        with Netlink(self.netns) as nl, Maps.open_pinned(self.pin_dir) as maps:
+            idx = nl.ifindex(self.iface)
+            problem = _not_applied(nl, idx, maps, policy, spec)
+            if problem:
+                raise DataplaneError(errno.ESTALE, f"{problem}: pass the policy up() applied")
+            co = compile_overrides(policy, overrides, bounds=bounds or policy,
+                                   current=maps.read_boosts())
+            self._converge(nl, idx, maps, spec, co)
+            return maps.override_entries({c.id: c.name for c in policy.classes})
+
+    def _converge(self, nl: Netlink, idx: int, maps: Maps, spec: HtbSpec,
+                  co: CompiledOverrides, compiled: CompiledPolicy | None = None, *,
+                  force: bool = False) -> None:
+        """HTB and maps to ``spec`` + ``co`` (+ the policy maps of ``compiled``).
+        The order keeps every mix of old and new safe (a crash can stop it
+        anywhere): the new leaves exist before the maps point at them, the old
+        ones go only after nothing points at them; a class's leaves take the
+        lower of their old and new rates until then, so guarantees never sum
+        above either state's."""
+        from ._netlink import HTB_ROOT
+
+        final = boosted_spec(spec, co.boosts.values())
+        ours = nl.root_qdisc(idx) == ("htb", HTB_ROOT)
+        trans = transition_spec(final, nl.htb_classes(idx) if ours else {})
+        nl.add_htb(idx, trans, force=force)
+        failpoint("dataplane.up.htb_added")
+        if compiled is not None:
+            maps.write_policy(compiled)
+            failpoint("dataplane.up.maps_written")
+        maps.write_overrides(co)
+        _drain(nl, idx, {c.classid for c in trans.leaves} - {c.classid for c in final.leaves})
+        nl.prune_htb(idx, final)
+        failpoint("dataplane.up.htb_pruned")
+        if trans != final:
+            nl.add_htb(idx, final)
 
     def down(self, *, unpin: bool = True) -> None:
         """Detaches and unpins everything ``up`` installed; the device is left
@@ -161,6 +257,13 @@ class Dataplane:
         with Maps.open_pinned(self.pin_dir) as maps:
             return DataplaneStats(maps.policy_version(), maps.read_stats(), maps.flow_census())
 
+    def overrides(self, policy: Policy | None = None) -> list[OverrideEntry]:
+        """The overrides the kernel holds, with their hit counts (class names
+        from ``policy``, else class ids as text)."""
+        names = {c.id: c.name for c in policy.classes} if policy else {}
+        with Maps.open_pinned(self.pin_dir) as maps:
+            return maps.override_entries(names)
+
     def flows(self) -> list[Flow]:
         """Every entry of the TCP flow table, decoded (at most its capacity)."""
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)  # bpf_ktime_get_ns's clock
@@ -168,12 +271,12 @@ class Dataplane:
         with Maps.open_pinned(self.pin_dir) as maps:
             for k, v in maps.flows.items():
                 out.append(Flow(
-                    src=_addr(bytes(k.saddr)), dst=_addr(bytes(k.daddr)),
-                    sport=_be16(k.sport), dport=_be16(k.dport), proto=int(k.proto),
+                    src=addr_text(bytes(k.saddr)), dst=addr_text(bytes(k.daddr)),
+                    sport=be16(k.sport), dport=be16(k.dport), proto=int(k.proto),
                     direction=_DIRECTIONS.get(int(k.dir), str(int(k.dir))),
                     class_id=int(v.class_id), modality=int(v.modality),
                     packets=int(v.packets), bytes=int(v.bytes),
-                    idle_s=max(0.0, (now - int(v.last_seen_ns)) / 1e9),
+                    idle_s=max(0.0, (now - int(v.last_seen_ns)) / 1e9), boost=int(v.boost),
                 ))
         return out
 
@@ -220,7 +323,16 @@ class Dataplane:
             return ["pinned programs and maps missing"]
         spec = compile_policy(policy, version).htb
         assert spec is not None
+        by_id = {c.id: c for c in policy.classes}
+        try:
+            with Maps.open_pinned(self.pin_dir) as maps:
+                boosts = [BoostLeaf(c, lvl, w, p) for (c, lvl), (w, p) in maps.read_boosts().items()
+                          if c in by_id]
+        except DataplaneError:
+            boosts = []
+        spec = boosted_spec(spec, boosts)
         names = {c.classid: c.name for c in policy.classes}
+        names.update({b.classid: f"{by_id[b.class_id].name} boost {b.level}" for b in boosts})
         found: list[str] = []
         with Netlink(self.netns) as nl:
             if not nl.link_exists(self.iface):

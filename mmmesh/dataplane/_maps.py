@@ -3,16 +3,40 @@
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 from typing import Any
 
 from .. import _abi
 from .._failpoints import failpoint
 from ._bpf import Map, count_by_next_key, count_map_entries, obj_get
-from ._compile import CompiledPolicy
+from ._compile import CompiledOverrides, CompiledPolicy
+from ._overrides import PROTOCOLS, Boost, FlowOverride, OverrideEntry, StageOverride
 from ._types import DirectionCounters, FlowCensus
 
 USER_MAPS = tuple(m for m in _abi.MAPS if m.user)
+_MAPPED = b"\0" * 10 + b"\xff\xff"
+_PROTO_NAMES = {v: k for k, v in PROTOCOLS.items()}
+
+
+def addr_text(raw: bytes) -> str:
+    """A 16-byte map address as text (IPv4-mapped addresses as IPv4)."""
+    if raw[:12] == _MAPPED:
+        return str(ipaddress.IPv4Address(raw[12:]))
+    return str(ipaddress.IPv6Address(raw))
+
+
+def be16(v: int) -> int:
+    """A ``be`` u16 map field read as a host-order (little-endian) integer."""
+    return int.from_bytes(int(v).to_bytes(2, "little"), "big")
+
+
+def prefix_text(k: _abi.StageOvrKey) -> str:
+    """A stage override key's prefix as text (IPv4-mapped prefixes as IPv4)."""
+    raw, plen = bytes(k.addr), int(k.prefixlen) - 32
+    if raw[:12] == _MAPPED and plen >= 96:
+        return str(ipaddress.IPv4Network((raw[12:], plen - 96)))
+    return str(ipaddress.IPv6Network((raw, plen)))
 
 
 class Maps:
@@ -38,6 +62,9 @@ class Maps:
         self.flows = self._maps["flow_map"]
         self.stats = self._maps["stats_map"]
         self.meta = self._maps["meta_map"]
+        self.boosts = self._maps["boost_map"]
+        self.stage_ovr = self._maps["stage_ovr_map"]
+        self.flow_ovr = self._maps["flow_ovr_map"]
 
     @classmethod
     def open_pinned(cls, pin_dir: str) -> Maps:
@@ -82,7 +109,10 @@ class Maps:
                 self.sources.delete(k)
         for k, v in cp.sources:
             self.sources.update(k, v)
-        self.config.update(0, cp.config)
+        # the override switches belong to write_overrides: kept as they are
+        cfg = _abi.Config.from_buffer_copy(cp.config)
+        cfg.flags = (cfg.flags & ~_abi.CFG_OVERRIDES) | (self._config_flags() & _abi.CFG_OVERRIDES)
+        self.config.update(0, cfg)
         failpoint("maps.refs_written")
         for m in range(_abi.MAX_MODALITIES):
             if m not in cp.modalities:
@@ -94,6 +124,81 @@ class Maps:
                 cur = self.classes.lookup(cid)
                 if cur is not None and cur.valid:
                     self.classes.update(cid, _abi.ClassInfo())
+
+    # -------------------------------------------------------- overrides
+    def _config_flags(self) -> int:
+        cur = self.config.lookup(0)
+        return int(cur.flags) if cur is not None else 0
+
+    def _set_override_flags(self, flags: int) -> None:
+        cfg = self.config.lookup(0) or _abi.Config()
+        cfg.flags = (cfg.flags & ~_abi.CFG_OVERRIDES) | flags
+        self.config.update(0, cfg)
+
+    def read_boosts(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(class id, level) -> (weight, prio) of every valid boost."""
+        out: dict[tuple[int, int], tuple[int, int]] = {}
+        for level in range(1, _abi.MAX_BOOSTS + 1):
+            for cid in range(1, _abi.MAX_CLASSES):
+                b = self.boosts.lookup(_abi.boost_slot(cid, level))
+                if b is not None and b.valid:
+                    out[(cid, level)] = (int(b.weight), int(b.prio))
+        return out
+
+    def read_overrides(self) -> list[tuple[_abi.StageOvrKey | _abi.FlowKey, _abi.OvrInfo]]:
+        """Every stage and flow override entry (keys as the maps hold them)."""
+        out: list[tuple[_abi.StageOvrKey | _abi.FlowKey, _abi.OvrInfo]] = []
+        out += list(self.stage_ovr.items())
+        out += list(self.flow_ovr.items())
+        return out
+
+    def override_entries(self, names: dict[int, str]) -> list[OverrideEntry]:
+        """The override maps decoded (class names from ``names``, else the id)."""
+        boosts = self.read_boosts()
+        out: list[OverrideEntry] = []
+        for k, v in self.read_overrides():
+            cid, lvl = int(v.class_id), int(v.level)
+            wp = boosts.get((cid, lvl))
+            boost = Boost(*wp) if wp is not None else Boost()
+            name = names.get(cid, str(cid))
+            o: StageOverride | FlowOverride
+            if isinstance(k, _abi.StageOvrKey):
+                o = StageOverride(name, prefix_text(k), boost)
+            else:
+                o = FlowOverride(name, addr_text(bytes(k.saddr)), be16(k.sport),
+                                 addr_text(bytes(k.daddr)), be16(k.dport),
+                                 _PROTO_NAMES.get(int(k.proto), str(k.proto)), boost)
+            out.append(OverrideEntry(o, lvl, _abi.boost_classid(cid, lvl), int(v.hits)))
+        return out
+
+    def write_overrides(self, co: CompiledOverrides) -> None:
+        """Makes the override maps hold ``co``, in an order that never lets an
+        entry point at a boost whose leaf is not there (the caller has created
+        the leaves): boosts marked valid first, then the entries that use them
+        (an unchanged entry keeps its hit count), then stale entries removed,
+        then boosts nobody uses any more invalidated (their leaves can go)."""
+        for (cid, lvl), b in co.boosts.items():
+            self.boosts.update(_abi.boost_slot(cid, lvl), _abi.BoostInfo(
+                classid=b.classid, valid=1, weight=b.weight, prio=b.prio))
+        failpoint("maps.boosts_written")
+        self._set_override_flags((self._config_flags() & _abi.CFG_OVERRIDES) | co.flags)
+        for m, entries in ((self.stage_ovr, co.stages), (self.flow_ovr, co.flows)):
+            for k, v in entries:
+                cur = m.lookup(k)
+                if cur is not None and (cur.class_id, cur.level) == (v.class_id, v.level):
+                    continue
+                m.update(k, v)
+        failpoint("maps.overrides_written")
+        for m, entries in ((self.stage_ovr, co.stages), (self.flow_ovr, co.flows)):
+            want = {bytes(k) for k, _ in entries}
+            for k in list(m.keys()):
+                if bytes(k) not in want:
+                    m.delete(k)
+        self._set_override_flags(co.flags)
+        for (cid, lvl) in self.read_boosts():
+            if (cid, lvl) not in co.boosts:
+                self.boosts.update(_abi.boost_slot(cid, lvl), _abi.BoostInfo())
+        failpoint("maps.overrides_pruned")
 
     def policy_version(self) -> int:
         cfg = self.config.lookup(0)

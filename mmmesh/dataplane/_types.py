@@ -108,6 +108,7 @@ class Flow:
     packets: int
     bytes: int
     idle_s: float  # since the flow's last packet
+    boost: int = 0  # boost level its messages take (0: its class's own leaf), see overrides
 
     @property
     def key(self) -> tuple[str, str, int, int, int, str]:

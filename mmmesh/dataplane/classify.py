@@ -1,8 +1,8 @@
 """Running packets through a private copy of the real classifier.
 
 ``Classifier`` compiles ``bpf/mm_tc.c`` exactly as ``up`` does, loads it
-(without attaching or pinning anything), writes a policy into its own maps
-and runs Ethernet frames through it with BPF_PROG_TEST_RUN.  TCP frames of
+(without attaching or pinning anything), writes a policy (and overrides)
+into its own maps and runs Ethernet frames through it with BPF_PROG_TEST_RUN.  TCP frames of
 one Classifier share its flow table, in the order they are run.  The live
 pinned dataplane is never touched.
 """
@@ -18,8 +18,9 @@ from .._errors import DataplaneError
 from ..policy import Policy
 from . import _bpf
 from ._bcc import compile_and_load
-from ._compile import compile_policy
+from ._compile import compile_overrides, compile_policy
 from ._maps import Maps
+from ._overrides import OverrideEntry, Overrides
 
 TC_ACT_OK = 0
 TC_ACT_NAMES = {0: "pass", 2: "drop", 7: "redirect", -1: "unspec"}
@@ -43,13 +44,17 @@ class Verdict:
     dscp_rewritten: bool
     duration_ns: int
     packet: bytes  # the frame as the program left it
+    boosted: bool = False  # an override put it in a boost leaf (priority is that leaf)
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self, *, overrides: bool = False) -> dict[str, Any]:
         """The ``classify --json`` object (without ``index``); ``packet`` is the
-        output frame as hex when the DSCP was rewritten, else None."""
+        output frame as hex when the DSCP was rewritten, else None.  ``boosted``
+        only with ``overrides`` (``classify --overrides``)."""
         d = asdict(self)
         d["class"] = d.pop("class_")
         d["packet"] = self.packet.hex() if self.dscp_rewritten else None
+        if not overrides:
+            del d["boosted"]
         return d
 
 
@@ -68,7 +73,8 @@ class Classifier:
     """A private, unattached copy of the classifier with ``policy`` loaded."""
 
     def __init__(self, policy: Policy, *, extra_cflags: list[str] | None = None,
-                 tunables: dict[str, int] | None = None) -> None:
+                 tunables: dict[str, int] | None = None, overrides: Overrides | None = None,
+                 bounds: Policy | None = None) -> None:
         self.policy = policy
         self._obj = compile_and_load(tunables, extra_cflags)
         fds = dict(self._obj.map_fds)
@@ -77,6 +83,20 @@ class Classifier:
         self.maps.write_meta()
         self.maps.write_policy(compile_policy(policy))
         self._names = {c.id: c.name for c in policy.classes}
+        if overrides:
+            self.set_overrides(overrides, bounds=bounds)
+
+    def set_overrides(self, overrides: Overrides, *, bounds: Policy | None = None) -> None:
+        """Rewrites the override maps (checked as ``Dataplane.set_overrides``
+        does, against ``bounds`` or the policy); no HTB here, so boost leaves
+        are only the class ids a packet's priority names."""
+        co = compile_overrides(self.policy, overrides, bounds=bounds or self.policy,
+                               current=self.maps.read_boosts())
+        self.maps.write_overrides(co)
+
+    def overrides(self) -> list[OverrideEntry]:
+        """The overrides loaded, as the kernel holds them (with hit counts)."""
+        return self.maps.override_entries(self._names)
 
     def close(self) -> None:
         """Close the maps and the programs (nothing was attached or pinned)."""
@@ -120,4 +140,5 @@ class Classifier:
             dscp_rewritten=bool(flags & _abi.CBF_DSCP),
             duration_ns=res.duration_ns,
             packet=res.data,
+            boosted=bool(flags & _abi.CBF_BOOSTED),
         )
