@@ -216,6 +216,9 @@ class QosdConfig(BaseSettings):
         default=5.0, gt=0, le=3600,
         description="the SLA controller's window (docs/controller.md); the sidecars' "
         "report interval")
+    sla_controller_enabled: bool = Field(
+        default=True, description="run the SLA controller; false: the kernel keeps the "
+        "policy's values whatever the SLA windows say (explain still answers)")
     initial_policy: Path | None = Field(
         default=None, description="policy applied at first start, when the store is empty")
     history_limit: int = Field(default=50, ge=2, le=10000)

@@ -18,6 +18,10 @@ The state survives a restart: it is written (atomically) to
 ``state_dir/controller.json`` after every window and taken back at start if
 it still applies (same policy, same law, not older than the expiry horizon:
 ``Controller.restore`` says why not otherwise).
+
+``sla_controller_enabled: false`` turns it off: a window is then a no-op (no
+state read, decided, written or saved) and ``explain`` shows the policy's
+values with a note saying so.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class SlaController:
         self.last: Decision | None = None
         self.note = ""
         self.law = Law(period_s=float(service.cfg.sla_controller_period_s))
+        self.enabled = bool(getattr(service.cfg, "sla_controller_enabled", True))
 
     @property
     def period_s(self) -> float:
@@ -96,7 +101,10 @@ class SlaController:
         return from_board(self.service.sla_board.view(), now)
 
     def step(self) -> Decision | None:
-        """One window: judge, decide, write what changed, keep the state."""
+        """One window: judge, decide, write what changed, keep the state
+        (disabled: nothing, None)."""
+        if not self.enabled:
+            return None
         with self._lock:
             now = time.time()
             ctrl = self._controller(now)
@@ -123,6 +131,8 @@ class SlaController:
     def explain(self) -> dict[str, Any] | None:
         """``explain()`` of the controller (None before any policy), with the
         restore note and the text ``mmmeshctl sla explain`` prints."""
+        if not self.enabled:
+            return self._explain_disabled()
         with self._lock:
             if self._ctrl is None:
                 return None
@@ -130,3 +140,15 @@ class SlaController:
             data["note"] = self.note
             data["text"] = render(data)
             return data
+
+    def _explain_disabled(self) -> dict[str, Any] | None:
+        """The policy's values as a controller that never steps shows them."""
+        cur = self.service.store.current()
+        if cur is None:
+            return None
+        data = Controller(cur.policy, self.law).explain()
+        data["note"] = ("disabled (sla_controller_enabled: false): the kernel keeps the "
+                        "policy's values")
+        data["enabled"] = False
+        data["text"] = render(data)
+        return data
