@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -130,7 +129,9 @@ def test_the_etcd_leader_killed_during_a_rollout(mesh: Mesh, tmp_path: Path) -> 
 
     t = threading.Thread(target=go)
     t.start()
-    time.sleep(0.3)
+    # kill -9 the leader as soon as the first version is in etcd: nodes are realising
+    # and reporting it, and three more proposals follow through the new leader
+    mesh.wait(lambda: len(history(mesh)) > len(before), 60, "the first version", every=0.05)
     leader = mesh.etcd.leader()
     mesh.etcd.kill(leader)
     t.join(240)
@@ -197,7 +198,11 @@ test_a_dead_node_leaves_every_view = gossip_sla.test_a_dead_node_leaves_every_vi
 
 def test_a_killed_qosd_is_gone_when_its_lease_expires(mesh: Mesh) -> None:
     victim = mesh.nodes[2]
-    victim.kill()  # (already killed by the SLA test: then it is gone already)
+    if not victim.running:  # the SLA test killed it: back, then killed again
+        victim.start()
+        victim.wait_ready()
+        mesh.wait_converged(30)
+    victim.kill()
     t = mesh.wait(lambda: all(n.members().get(victim.name) == "dead"
                               for n in mesh.nodes[:2]), ETCD_LEASE_TTL_S + 10, "gone")
     assert t <= ETCD_LEASE_TTL_S + 3
