@@ -8,6 +8,11 @@ needs about a dozen lines:
     outputs:
       - {name: fusion, address: "10.0.3.2:9000", modality: tensor, sla_class: video}
     qosd: {socket: /run/mmmesh/sla.sock}
+
+An output to a stage with several replicas names them all (``replicas``, one
+connection -- a *lane* -- to each) and how frames are spread over them
+(``spread``: ``user``, by ``weights`` in the sidecar; ``kernel``, by the
+socket layer's weights): docs/sidecar.md, "Replicas and lanes".
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from mmmesh._abi import SOCK_MAX_REPLICAS, SOCK_MAX_WEIGHT
 from mmmesh._net import check_hostport
 from mmmesh.slareport import MAX_WINDOW_S
 from mmmesh.wire import parse_modality
@@ -57,7 +63,18 @@ class RunnerConfig(_M):
 
 class Output(_M):
     name: str
-    address: str = Field(description="host:port of the downstream sidecar")
+    address: str | None = Field(default=None, description="host:port of the downstream "
+                                "sidecar (or ``replicas``)")
+    replicas: tuple[str, ...] | None = Field(
+        default=None, description=f"host:port of each replica of the next stage (1.."
+        f"{SOCK_MAX_REPLICAS}, in replica order): one connection (lane) to each")
+    weights: tuple[int, ...] | None = Field(
+        default=None, description=f"spread user: one weight per replica (0..{SOCK_MAX_WEIGHT}; "
+        "default: all 1)")
+    spread: Literal["user", "kernel"] = Field(
+        default="user", description="who spreads frames over the replicas: user = this "
+        "sidecar (smooth weighted round robin by ``weights``), kernel = the node's socket "
+        "layer (every frame written to the lead lane; weights from set_weights)")
     transport: Literal["tcp", "udp"] = "tcp"
     modality: str = Field(description="modality of what this stage sends (wire names)")
     sla_class: str = Field(description="SLA class name (for metrics and the header's request)")
@@ -74,6 +91,66 @@ class Output(_M):
     def _mod(cls, v: str) -> str:
         parse_modality(v)  # raises ValueError with the valid names
         return v
+
+    @field_validator("replicas")
+    @classmethod
+    def _replicas(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is None:
+            return None
+        if not 1 <= len(v) <= SOCK_MAX_REPLICAS:
+            raise ValueError(f"replicas: 1 to {SOCK_MAX_REPLICAS} addresses (the socket "
+                             f"layer's lanes per stage), got {len(v)}")
+        out = tuple(check_hostport(a, what=f"replicas[{i}]") for i, a in enumerate(v))
+        for i, a in enumerate(out):
+            if a in out[:i]:
+                raise ValueError(f"replicas[{i}] {a!r}: listed twice")
+        return out
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is None:
+            return None
+        for i, w in enumerate(v):
+            if not 0 <= w <= SOCK_MAX_WEIGHT:
+                raise ValueError(f"weights[{i}]: {w} is not in 0..{SOCK_MAX_WEIGHT}")
+        if v and not any(v):
+            raise ValueError("weights: at least one must be above 0")
+        return v
+
+    @model_validator(mode="after")
+    def _targets(self) -> Output:
+        if (self.address is None) == (self.replicas is None):
+            raise ValueError(f"output {self.name}: give either address or replicas")
+        if self.replicas is None:
+            if self.weights is not None:
+                raise ValueError(f"output {self.name}: weights: only with replicas")
+            if self.spread != "user":
+                raise ValueError(f"output {self.name}: spread: kernel needs replicas")
+            return self
+        if self.transport != "tcp":
+            raise ValueError(f"output {self.name}: replicas: only with transport tcp")
+        if self.weights is not None:
+            if self.spread == "kernel":
+                raise ValueError(f"output {self.name}: weights: spread kernel takes the "
+                                 "socket layer's weights (set_weights), not the sidecar's")
+            if len(self.weights) != len(self.replicas):
+                raise ValueError(f"output {self.name}: weights: {len(self.weights)} for "
+                                 f"{len(self.replicas)} replicas")
+        return self
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Every downstream address, in replica order (one without replicas)."""
+        if self.replicas is not None:
+            return self.replicas
+        assert self.address is not None
+        return (self.address,)
+
+    @property
+    def lane_weights(self) -> tuple[int, ...]:
+        """The user-space weight of each address (1 each unless ``weights``)."""
+        return self.weights if self.weights is not None else (1,) * len(self.addresses)
 
 
 class Limits(_M):

@@ -320,7 +320,7 @@ def test_the_outbound_byte_budget_counts_stage_outputs() -> None:
                 break
             sent += 1
         assert sent < 12, f"{sent} frames of 4 MiB accepted with an 8 MiB budget"
-        assert s._queue is not None and s._queue.bytes <= 12 << 20
+        assert s.lanes[0].queue.bytes <= 12 << 20
         await s.close()
         assert s.counters.dropped_other == sent - s.counters.frames_out
         assert await s.flush(1)  # nothing left unaccounted
@@ -336,10 +336,12 @@ def test_after_a_reconnect_cut_frames_start_over_and_expired_ones_go() -> None:
     from sidecar.config import Limits, Output
     from sidecar.transport import FrameQueue, FrameSender
     from sidecar.transport.frames import Framed
+    from sidecar.transport.lane import Lane
 
     s = FrameSender(Output(name="s", address="127.0.0.1:9", modality="tensor",
                            sla_class="voice", realtime=True), Limits())
     q = FrameQueue(10, 0, lambda it: 0)
+    lane = Lane(s, 0, "127.0.0.1:9", q)
     a = np.zeros(4, np.uint8)
     cut = Framed(tensor_header(a, seq=0, deadline_ns=time.time_ns() + 10**10), [b"HDR", a])
     cut.consume(2)
@@ -347,7 +349,8 @@ def test_after_a_reconnect_cut_frames_start_over_and_expired_ones_go() -> None:
     for _ in range(2):
         q.put_nowait(object())
         q.get_nowait()  # two unfinished tasks, as the writer holds them
-    batch = [cut, late]
-    s._after_reconnect(q, batch)
-    assert batch == [cut] and not cut.started and [bytes(v) for v in cut.views][0] == b"HDR"
+    lane.batch[:] = [cut, late]
+    lane._after_reconnect()
+    batch = lane.batch
+    assert batch == [cut] and not cut.started and bytes(cut.views[0]) == b"HDR"
     assert s.counters.dropped_deadline == 1

@@ -18,7 +18,7 @@ from sidecar.contract import ErrorCode, tensor_from_frame
 from sidecar.main import Sidecar
 from sidecar.runners import make_runner
 from sidecar.transport import FrameSender
-from sidecar.transport import send as send_module
+from sidecar.transport import lane as lane_module
 from tests.sidecar_stages import (
     ListSink,
     Sink,
@@ -87,14 +87,14 @@ def test_sender_does_not_copy_the_tensor(monkeypatch: pytest.MonkeyPatch) -> Non
     """64 MiB through a FrameSender: the payload handed to sendmsg is a view of
     the array, and the process's peak RSS does not grow by the tensor's size."""
     seen: list[list[object]] = []
-    real_frame = send_module.frame
+    real_frame = lane_module.frame
 
     def spy(h: Header, payload: object = b"") -> list[bytes | memoryview]:
         bufs = real_frame(h, payload)  # type: ignore[arg-type]
         seen.append(bufs)  # type: ignore[arg-type]
         return bufs
 
-    monkeypatch.setattr(send_module, "frame", spy)
+    monkeypatch.setattr(lane_module, "frame", spy)
     big = np.ones(16 << 20, dtype=np.float32)  # 64 MiB, pages touched
     received = 0
 

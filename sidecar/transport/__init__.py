@@ -5,8 +5,12 @@ module         role
 =============  ==============================================================
 ``receive``    ``FrameServer``: frames over TCP (and UDP) into the inbound
                queue; TCP flow control as backpressure; hostile peers cut off
-``send``       ``FrameSender`` (one per Output): zero-copy ``sendmsg``,
-               batching, reconnects, real-time drops
+``send``       ``FrameSender`` (one per Output): the lane of each frame,
+               real-time drops, UDP
+``lane``       ``Lane``: one connection per downstream replica: zero-copy
+               ``sendmsg``, batching, reconnects, frames moved whole off a
+               lane that is down
+``spread``     ``Swrr``: the socket layer's weighted pick, in user space
 ``frames``     ``InFrame``, ``FrameQueue`` (bounded in frames and in bytes)
                and the send side's frame bookkeeping
 =============  ==============================================================

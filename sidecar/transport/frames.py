@@ -51,7 +51,8 @@ class OutFrame:
     header: Header
     payload: Any  # np.ndarray / buffer, referenced (never copied) until sent
     nbytes: int = 0  # payload bytes (the byte budget; header.payload_len is set on the wire)
-    framed: Framed | None = None  # already framed and partly written by send()
+    framed: Framed | None = None  # already framed: partly written by send(), or moved
+    #                               from another lane (rewound)
 
 
 class Framed:
@@ -137,6 +138,20 @@ class FrameQueue(asyncio.Queue):  # type: ignore[type-arg]
         while self._putters and not self.full():  # type: ignore[attr-defined]
             self._wakeup_next(self._putters)  # type: ignore[attr-defined]
         return item
+
+    def force_put(self, item: Any) -> None:
+        """Puts ``item`` even when the queue is full: frames moved from one of
+        an output's lanes to another (the output's frames stay within the sum
+        of its lanes' bounds)."""
+        self._put(item)
+        self._unfinished_tasks += 1  # type: ignore[attr-defined]
+        self._finished.clear()  # type: ignore[attr-defined]
+        self._wakeup_next(self._getters)  # type: ignore[attr-defined]
+
+    @property
+    def unfinished(self) -> int:
+        """Items put and not marked done yet (what ``join`` waits for)."""
+        return int(self._unfinished_tasks)  # type: ignore[attr-defined]
 
     def pop_oldest(self, keep: Callable[[Any], bool]) -> Any | None:
         """Removes and returns the oldest item ``keep`` does not protect (None

@@ -3,37 +3,50 @@
 ``send(header, payload)`` hands a frame over; the payload (usually the
 stage's output array) is referenced, never copied: it is framed with
 :func:`mmmesh.wire.frame` and ``[header bytes, memoryview(array)]`` go to
-``socket.sendmsg`` (scatter/gather).  Which path a TCP frame takes:
+``socket.sendmsg`` (scatter/gather).
 
-* nothing queued or being written, and connected: ``send()`` writes the frame
-  itself, one ``sendmsg`` with no hand-over to the writer task (lower latency
-  at low rates).  What the socket buffer does not take stays first in line
-  for the writer task;
-* otherwise it goes on the outbound ``FrameQueue`` (bounded in frames and in
-  bytes; ``send()`` waits while it is full, which is how a slow downstream
-  slows the stage).  The writer task takes every frame already waiting (up to
-  64 frames or 256 KiB) into one ``sendmsg`` and waits for writability when
-  the socket buffer is full (that wait is the backpressure ``drain()`` gives
-  on a stream).
+A TCP output has one connection, a *lane* (``lane.Lane``), per address: one
+without ``replicas``, one per replica of the next stage with them.  Which
+lane a frame takes:
 
-The sender connects with TCP_NODELAY, notices a closed peer while idle, and
-reconnects with capped, jittered exponential backoff; a frame whose send
-failed is sent whole on the new connection.  Real-time outputs drop frames
-that are past their deadline (``contract.drop_late``) instead of sending them
-late, and drop their oldest queued frame when the queue is full instead of
-making the stage wait.  UDP outputs always queue: the writer task sends one
-datagram per frame.
+* ``spread: user`` (the default): the smooth weighted round robin of the
+  socket layer's weighted pick, in user space (``spread.Swrr``, the Output's
+  ``weights``), over the lanes that are up: a lane that is down is left out
+  (its share goes to the others by their weights) until it reconnects;
+* ``spread: kernel``: every frame goes to one lane, the *lead* (the first
+  lane that is up); the node's socket layer redirects each frame to a
+  replica by the weights qosd wrote (docs/socklayer.md, "Weighted pick").
+  The lead writes nothing before every lane made its first connection
+  attempt (the kernel only picks lanes it has seen), the other lanes never
+  write (a lane that sent TCP bytes is out of the kernel's pick), and when
+  the lead's connection breaks the next lane that is up takes over.
+
+On its lane, a frame is written by ``send()`` itself when nothing is queued
+or being written there and the lane is connected (one ``sendmsg``, no
+hand-over to the writer task: lower latency at low rates); otherwise it goes
+on the lane's outbound ``FrameQueue`` (bounded in frames and in bytes: the
+output's ``limits`` shared out between its lanes; ``send()`` waits while it
+is full, which is how a slow downstream slows the stage), where the lane's
+writer task sends every frame already waiting in one ``sendmsg``.  Frames of
+a lane are written in the order they were given to it, whole: a frame cut
+off by a broken connection, like every frame still queued on a lane that
+went down, moves whole to a lane that is up (or waits for its own lane's
+reconnect when none is).
+
+Real-time outputs drop frames that are past their deadline
+(``contract.drop_late``) instead of sending them late, and drop their oldest
+queued frame when the queue is full instead of making the stage wait.  UDP
+outputs (one address) always queue: the writer task sends one datagram per
+frame.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import random
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mmmesh._errors import WireError
@@ -42,22 +55,21 @@ from mmmesh.wire import Header, frame
 
 from ..config import Limits, Output
 from ..contract import drop_late
-from .frames import Framed, FrameQueue, OutFrame, joined, payload_view
+from .frames import FrameQueue, OutFrame, joined, payload_view
+from .lane import Lane, LaneCounters, _wake
+from .spread import Swrr
 
 __all__ = ["FrameSender", "SenderCounters"]
 
 log = logging.getLogger("mmmesh.sidecar.transport")
 
 _MAX_DATAGRAM = 65507
-# frames already waiting in the outbound queue go out in one sendmsg, up to
-# this many (IOV_MAX is 1024; two iovecs per frame) or this much payload
-_BATCH_FRAMES = 64
-_BATCH_BYTES = 256 * 1024
 
 
 @dataclass
 class SenderCounters:
-    """What a FrameSender did (docs/sidecar.md, "Counters")."""
+    """What a FrameSender did (docs/sidecar.md, "Counters"); the per-lane
+    counters are in ``lanes``."""
 
     frames_out: int = 0
     bytes_out: int = 0
@@ -65,29 +77,34 @@ class SenderCounters:
     dropped_deadline: int = 0  # real-time output: past its deadline before it could be sent
     dropped_overload: int = 0  # real-time output: queue full, its oldest frame dropped
     dropped_other: int = 0  # not sent: the sender was closed first, or an unexpected error
-    reconnects: int = 0  # connections made after the first one
+    reconnects: int = 0  # connections made after each lane's first one
     connect_failures: int = 0
     send_errors: int = 0  # connection lost while sending (frame retried) / UDP send failed
-    connected: bool = False
+    connected: bool = False  # at least one lane is connected
     queue_hwm: int = 0
+    lanes_up: int = 0  # lanes in the pick
+    lead: int | None = None  # spread kernel: the lane every frame is written to
+    lanes: list[LaneCounters] = field(default_factory=list)
 
     def snapshot(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        d["lanes"] = [dict(c.__dict__) for c in self.lanes]
+        return d
 
 
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+def _lane_bound(total: int, n: int, least: int) -> int:
+    """A lane's share of an output's bound (0 stays 0: no bound)."""
+    return 0 if total == 0 else max(total // n, least)
 
 
 class FrameSender:
-    """Sends frames to one Output (one connection per downstream and class).
+    """Sends frames to one Output (one lane per downstream address).
 
-    ``send()`` writes the frame itself when nothing is queued or being written
-    on a connected TCP output, else queues it for the writer task (waiting
-    while the outbound queue is full; a real-time output drops its oldest
-    queued frame instead).  ``flush()`` waits until every frame handed to
-    ``send()`` was written to the socket or dropped.
+    ``send()`` picks the frame's lane (see the module) and writes the frame
+    itself when that lane is idle and connected, else queues it on the lane
+    (waiting while the lane's queue is full; a real-time output drops its
+    oldest queued frame instead).  ``flush()`` waits until every frame handed
+    to ``send()`` was written to a socket or dropped.
     """
 
     def __init__(
@@ -103,21 +120,23 @@ class FrameSender:
         self.output = output
         self.limits = limits
         self.counters = SenderCounters()
-        self.host, self.port = parse_hostport(output.address, what=f"output {output.name}")
         self.realtime = output.realtime
+        self.kernel = output.spread == "kernel"
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.connect_timeout = connect_timeout
+        self.lanes: list[Lane] = []
+        self.ready = asyncio.Event()  # lanes may write (spread kernel: all lanes tried once)
         self._on_drop = on_drop
-        self._queue: FrameQueue | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._sock: socket.socket | None = None
-        self._dead = False
-        self._writable: asyncio.Future[None] | None = None
-        self._ever_connected = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._batch: list[Framed] = []  # the TCP writer's frames in progress
-        self._direct = output.transport != "udp"  # send() may write itself (TCP)
+        self._swrr = Swrr(output.lane_weights)
+        self._lead = 0
+        self._queue: FrameQueue | None = None  # UDP
+        self._task: asyncio.Task[None] | None = None  # UDP
+        self._sock: socket.socket | None = None  # UDP
+        self._writable: asyncio.Future[None] | None = None  # UDP
+        self._udp = output.transport == "udp"
+        for a in output.addresses:  # a bad address fails here, not in a task
+            parse_hostport(a, what=f"output {output.name}")
 
     @property
     def name(self) -> str:
@@ -125,28 +144,64 @@ class FrameSender:
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize() if self._queue is not None else 0
+        if self._queue is not None:
+            return self._queue.qsize()
+        return sum(lane.queue.qsize() for lane in self.lanes)
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._queue = FrameQueue(self.limits.outbound_queue, self.limits.outbound_queue_mb << 20,
-                                 lambda item: item.nbytes)
-        run = self._run_udp if self.output.transport == "udp" else self._run_tcp
-        self._task = self._loop.create_task(run(), name=f"sender-{self.output.name}")
+        loop = asyncio.get_running_loop()
+        lim = self.limits
+        if self._udp:
+            self._queue = FrameQueue(lim.outbound_queue, lim.outbound_queue_mb << 20,
+                                     lambda item: item.nbytes)
+            self._task = loop.create_task(self._run_udp(), name=f"sender-{self.output.name}")
+            return
+        addrs = self.output.addresses
+        n = len(addrs)
+        self.lanes = [Lane(self, i, a, FrameQueue(_lane_bound(lim.outbound_queue, n, 1),
+                                                  _lane_bound(lim.outbound_queue_mb << 20, n, 1),
+                                                  lambda item: item.nbytes))
+                      for i, a in enumerate(addrs)]
+        self.counters.lanes = [lane.counters for lane in self.lanes]
+        self.counters.lanes_up = n
+        if self.kernel:
+            self.lanes[0].counters.lead = True
+            self.counters.lead = 0
+        else:
+            self.ready.set()
+        for lane in self.lanes:
+            lane.start()
+
+    def _pick(self) -> Lane:
+        lanes = self.lanes
+        if self.kernel:
+            return lanes[self._lead]
+        if len(lanes) == 1:
+            return lanes[0]
+        i = self._swrr.pick([lane.up for lane in lanes])
+        if i is None:  # no lane up (or none with a weight): wait on one by the weights
+            i = self._swrr.pick()
+        assert i is not None  # (the config guarantees a weight above 0)
+        return lanes[i]
 
     async def send(self, header: Header, payload: Any = b"") -> bool:
         """Writes one frame now or queues it (see the class); ``payload``
         (usually an ndarray) is referenced, not copied, and must not be
         modified afterwards.  False if it was dropped (real-time and late)."""
-        q = self._queue
-        assert q is not None, "start() first"
         if drop_late(header, self.realtime):
             self._drop(header, "deadline")
             return False
+        if self._udp:
+            q = self._queue
+            lane = None
+        else:
+            lane = self._pick()
+            q = lane.queue
+        assert q is not None, "start() first"
         if self.realtime:
             while q.full():  # real-time: the freshest frame is worth most; drop the oldest
                 # (never a frame already partly on the wire: the stream would break)
-                old = q.pop_oldest(lambda it: it.framed is not None)
+                old = q.pop_oldest(lambda it: it.framed is not None and it.framed.started)
                 if old is None:
                     break
                 q.task_done()
@@ -157,74 +212,104 @@ class FrameSender:
         except TypeError:  # not a buffer: the writer reports it when framing
             nbytes = 0
         framed = None
-        if self._direct and q.empty() and not self._batch:
-            written, framed = self._write_now(header, payload)
+        if lane is not None and lane.idle and self.ready.is_set():
+            written, framed = lane.write_now(header, payload)
             if written:
                 return True
         item = OutFrame(header, payload, nbytes, framed)
         if q.full():
             await q.put(item)
+            if lane is not None and not lane.up:  # it went down while we waited
+                self._rebalance()
         else:
             q.put_nowait(item)
         depth = q.qsize()
         self.counters.queue_hwm = max(self.counters.queue_hwm, depth)
         return True
 
-    def _write_now(self, header: Header, payload: Any) -> tuple[bool, Framed | None]:
-        """The fast path when nothing is queued or being written: one
-        ``sendmsg`` from the caller, no hand-over to the writer task (at low
-        rates that hand-over is a good part of the sidecar's added latency).
-        ``(True, None)`` when the whole frame was written.  Otherwise the frame
-        is to be queued: ``(False, the partly written frame)`` when the socket
-        buffer took only part of it (the writer finishes it, first); ``(False,
-        None)`` when not connected or on an error (the writer deals with it as
-        usual)."""
-        sock = self._sock
-        if sock is None or self._dead:
-            return False, None
-        try:
-            f = Framed(header, frame(header, payload))
-            n = sock.sendmsg(f.views, (), socket.MSG_NOSIGNAL)
-        except (BlockingIOError, InterruptedError):
-            return False, f
-        except Exception:  # WireError, OSError, ...: the writer reports it as usual
-            return False, None
-        self.counters.writes += 1
-        f.consume(n)
-        if f.views:
-            return False, f
-        self._sent(f)
-        return True, None
+    def _lane_changed(self, lane: Lane) -> None:
+        """A lane went up or down (or connected for the first time)."""
+        lanes, c = self.lanes, self.counters
+        c.connected = any(x.counters.connected for x in lanes)
+        c.lanes_up = sum(x.up for x in lanes)
+        if self.kernel:
+            if not self.ready.is_set() and all(x.attempted for x in lanes):
+                self.ready.set()
+            lead = lanes[self._lead]
+            if not lead.up:
+                new = next((x for x in lanes if x.up and x.counters.connected), None)
+                if new is not None:
+                    log.info("sender %s: lead lane %s -> %s", self.name, lead.address,
+                             new.address)
+                    lead.counters.lead = False
+                    new.counters.lead = True
+                    self._lead = c.lead = new.index
+        self._rebalance()
 
-    def _sent(self, f: Framed) -> None:
-        self.counters.frames_out += 1
-        self.counters.bytes_out += f.total
+    def _rebalance(self) -> None:
+        """Frames of lanes that are down go to lanes that are up (if any)."""
+        if not any(x.up for x in self.lanes):
+            return
+        for lane in self.lanes:
+            if lane.up or lane.idle:
+                continue
+            moved = lane.take_all()
+            log.info("sender %s: %d frames of %s (down) moved to other lanes", self.name,
+                     len(moved), lane.address)
+            for item in moved:
+                self._pick().queue.force_put(item)
+
+    def _all_done(self) -> bool:
+        return all(lane.queue.unfinished == 0 for lane in self.lanes)
 
     async def flush(self, timeout: float | None = None) -> bool:
-        """Waits until every frame handed to ``send()`` was written to the
+        """Waits until every frame handed to ``send()`` was written to a
         socket or dropped.  False on timeout."""
-        return self._queue is None or await joined(self._queue, timeout)
+        if self._queue is not None:
+            return await joined(self._queue, timeout)
+
+        async def lanes_done() -> None:
+            while not self._all_done():  # (frames may move between lanes meanwhile)
+                for lane in self.lanes:
+                    await lane.queue.join()
+
+        try:
+            await asyncio.wait_for(lanes_done(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     async def close(self) -> None:
         """Stops now (``flush()`` first for a graceful stop): frames not yet
         sent are dropped and counted (``dropped_other``)."""
+        for lane in self.lanes:
+            await lane.stop()
+        for lane in self.lanes:
+            for f in lane.batch:
+                self._drop(f.header, "shutdown")
+                lane.queue.task_done()
+            lane.batch.clear()
+            self._drain_dropped(lane.queue)
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self._task
+            except asyncio.CancelledError:
+                pass
             self._task = None
-        self._close_sock()
-        q = self._queue
-        if q is not None:
-            for f in self._batch:
-                self._drop(f.header, "shutdown")
-                q.task_done()
-            self._batch.clear()
-            while not q.empty():
-                self._drop(q.get_nowait().header, "shutdown")
-                q.task_done()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self.counters.connected = False
+        if self._queue is not None:
+            self._drain_dropped(self._queue)
 
     # -- internals -----------------------------------------------------------
+    def _drain_dropped(self, q: FrameQueue) -> None:
+        while not q.empty():
+            self._drop(q.get_nowait().header, "shutdown")
+            q.task_done()
+
     def _drop(self, header: Header, reason: str) -> None:
         """Counts a frame not sent (``reason``: deadline, overload, shutdown,
         error) and tells the ``on_drop`` hook."""
@@ -241,70 +326,6 @@ class FrameSender:
             except Exception:
                 log.exception("on_drop hook failed")
 
-    def _close_sock(self) -> None:
-        sock = self._sock
-        self._sock = None
-        self.counters.connected = False
-        if sock is not None and self._loop is not None:
-            fd = sock.fileno()
-            if fd >= 0:
-                with contextlib.suppress(Exception):
-                    self._loop.remove_reader(fd)
-                with contextlib.suppress(Exception):
-                    self._loop.remove_writer(fd)
-            sock.close()
-
-    def _on_readable(self) -> None:
-        """The downstream never sends: readable means it closed (or reset)."""
-        sock = self._sock
-        if sock is None:
-            return
-        try:
-            data = sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if data:
-            return  # unexpected bytes from downstream: ignore
-        log.info("sender %s: %s closed the connection", self.name, self.output.address)
-        self._dead = True
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_result(None)
-        self._close_sock()
-
-    async def _connect_tcp(self) -> socket.socket:
-        loop = asyncio.get_running_loop()
-        delay = self.backoff_initial
-        while True:
-            sock: socket.socket | None = None
-            try:
-                infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
-                family, _, _, _, addr = infos[0]
-                sock = socket.socket(family, socket.SOCK_STREAM)
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                await asyncio.wait_for(loop.sock_connect(sock, addr), self.connect_timeout)
-            except (TimeoutError, OSError) as e:
-                if sock is not None:
-                    sock.close()
-                self.counters.connect_failures += 1
-                wait = random.uniform(delay / 2, delay)
-                log.debug("sender %s: connect to %s failed (%s); retry in %.2fs",
-                          self.name, self.output.address, e, wait)
-                await asyncio.sleep(wait)
-                delay = min(delay * 2, self.backoff_max)
-                continue
-            if self._ever_connected:
-                self.counters.reconnects += 1
-                log.info("sender %s: reconnected to %s", self.name, self.output.address)
-            self._ever_connected = True
-            self._sock = sock
-            self._dead = False
-            self.counters.connected = True
-            loop.add_reader(sock.fileno(), self._on_readable)
-            return sock
-
     async def _wait_writable(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
@@ -318,109 +339,12 @@ class FrameSender:
             if sock.fileno() >= 0:
                 loop.remove_writer(fd)
 
-    async def _collect(self, q: FrameQueue, batch: list[Framed]) -> None:
-        """Waits for a frame, then takes every frame already waiting (up to
-        ``_BATCH_FRAMES`` / ``_BATCH_BYTES``) into ``batch``, framed: one
-        ``sendmsg`` writes them all (one system call for a burst of small
-        frames instead of one each).  Real-time frames past their deadline and
-        frames whose header cannot be encoded are dropped here."""
-        items = [await q.get()]
-        nbytes = items[0].nbytes
-        while len(items) < _BATCH_FRAMES and nbytes < _BATCH_BYTES and not q.empty():
-            item = q.get_nowait()
-            items.append(item)
-            nbytes += item.nbytes
-        for item in items:
-            if item.framed is not None:  # partly written by send(): finish it first
-                batch.append(item.framed)
-                continue
-            if drop_late(item.header, self.realtime):
-                self._drop(item.header, "deadline")
-                q.task_done()
-                continue
-            try:
-                batch.append(Framed(item.header, frame(item.header, item.payload)))
-            except WireError as e:  # a header we cannot encode: drop it, keep going
-                log.error("sender %s: cannot frame: %s", self.name, e)
-                q.task_done()
-            except Exception:  # a payload that is not a buffer, ...: same
-                log.exception("sender %s: cannot frame", self.name)
-                q.task_done()
-
-    async def _write(self, sock: socket.socket, q: FrameQueue, batch: list[Framed]) -> None:
-        """Writes ``batch`` with scatter/gather ``sendmsg`` (no copy), waiting
-        for writability when the socket buffer is full; each frame leaves the
-        batch (counted, ``task_done``) once all its bytes are written."""
-        while batch:
-            if self._dead:
-                raise ConnectionResetError("downstream closed the connection")
-            views = [v for f in batch for v in f.views]
-            try:
-                n = sock.sendmsg(views, (), socket.MSG_NOSIGNAL)
-            except (BlockingIOError, InterruptedError):
-                await self._wait_writable(sock)
-                continue
-            self.counters.writes += 1
-            while n:
-                f = batch[0]
-                n = f.consume(n)
-                if not f.views:
-                    batch.pop(0)
-                    self._sent(f)
-                    q.task_done()
-
-    async def _run_tcp(self) -> None:
-        q = self._queue
-        assert q is not None
-        batch = self._batch  # framed, not completely written yet (send() looks at it)
-        while True:
-            try:
-                sock = self._sock
-                if sock is None or self._dead:
-                    self._close_sock()
-                    sock = await self._connect_tcp()
-                    self._after_reconnect(q, batch)
-                if not batch:
-                    await self._collect(q, batch)
-                    continue  # (re-checks the connection before writing)
-                await self._write(sock, q, batch)
-            except asyncio.CancelledError:
-                raise
-            except OSError as e:
-                self.counters.send_errors += 1
-                log.info("sender %s: connection to %s lost: %s", self.name,
-                         self.output.address, e)
-                self._close_sock()
-                self._dead = True  # (the reconnect rewinds a frame cut off mid-write)
-            except Exception:  # never die
-                log.exception("sender %s: unexpected error", self.name)
-                if any(f.started for f in batch):  # part of a frame is on the wire: start over
-                    self._close_sock()
-                    self._dead = True
-                for f in batch:
-                    self._drop(f.header, "error")
-                    q.task_done()
-                batch.clear()
-                await asyncio.sleep(0.1)
-
-    def _after_reconnect(self, q: FrameQueue, batch: list[Framed]) -> None:
-        """A new connection: a frame cut off on the old one is sent whole, and
-        real-time frames that expired while we were reconnecting are dropped."""
-        keep = []
-        for f in batch:
-            if drop_late(f.header, self.realtime):
-                self._drop(f.header, "deadline")
-                q.task_done()
-            else:
-                f.rewind()
-                keep.append(f)
-        batch[:] = keep
-
     async def _run_udp(self) -> None:
         q = self._queue
         assert q is not None
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_DGRAM)
+        host, port = parse_hostport(self.output.addresses[0], what=f"output {self.name}")
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
         family, _, _, _, addr = infos[0]
         sock = socket.socket(family, socket.SOCK_DGRAM)
         sock.setblocking(False)

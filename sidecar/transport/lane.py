@@ -1,0 +1,399 @@
+"""One TCP connection of an output to one downstream replica: a *lane*.
+
+A ``FrameSender`` has one lane per address of its Output (one without
+``replicas``).  A lane owns its connection and its part of the outbound
+queue, and writes its frames in the order they were given to it:
+
+* ``write_now()``: the sender's fast path, one ``sendmsg`` from the caller
+  when nothing is queued or being written on the lane;
+* its writer task takes every frame already waiting (up to 64 frames or
+  256 KiB) into one scatter/gather ``sendmsg`` and waits for writability
+  when the socket buffer is full;
+* it connects with TCP_NODELAY, notices a closed peer while idle, and
+  reconnects with capped, jittered exponential backoff.
+
+A lane is *up* from its start until a connect fails or its connection
+breaks, and again once it reconnects.  Going down or up is reported to the
+owner (``FrameSender._lane_changed``), which moves the frames of a lane that
+is down to lanes that are up (``take_all``/``force_put``: frames are moved
+whole, a frame cut off mid-write starts over on its new lane) and leaves it
+out of the pick until it is back.  A broken connection is closed with an
+abortive close (SO_LINGER 0): it reaches TCP_CLOSE at once, which is when
+the socket layer releases the lane and a lead claim (docs/socklayer.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import socket
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mmmesh._errors import WireError
+from mmmesh._net import parse_hostport
+from mmmesh.wire import Header, frame
+
+from ..contract import drop_late
+from .frames import Framed, FrameQueue, OutFrame
+
+if TYPE_CHECKING:
+    from .send import FrameSender
+
+__all__ = ["Lane", "LaneCounters"]
+
+log = logging.getLogger("mmmesh.sidecar.transport")
+
+# frames already waiting in a lane's queue go out in one sendmsg, up to this
+# many (IOV_MAX is 1024; two iovecs per frame) or this much payload
+_BATCH_FRAMES = 64
+_BATCH_BYTES = 256 * 1024
+_LINGER_ABORT = struct.pack("ii", 1, 0)
+
+
+@dataclass
+class LaneCounters:
+    """One lane of an output (``senders[output].lanes``, docs/sidecar.md)."""
+
+    address: str
+    frames_out: int = 0
+    bytes_out: int = 0
+    reconnects: int = 0  # connections made after the lane's first one
+    connect_failures: int = 0
+    send_errors: int = 0  # connection lost while sending
+    moved: int = 0  # frames handed to other lanes while this one was down
+    connected: bool = False
+    up: bool = True  # in the pick (connected, or not failed yet)
+    lead: bool = False  # spread: kernel: every frame is written here
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Lane:
+    """The connection to ``address`` (replica ``index`` of ``owner``'s Output)."""
+
+    def __init__(self, owner: FrameSender, index: int, address: str, queue: FrameQueue) -> None:
+        self.owner = owner
+        self.index = index
+        self.address = address
+        self.host, self.port = parse_hostport(address, what=f"output {owner.name}")
+        self.queue = queue
+        self.batch: list[Framed] = []  # framed, not completely written yet (send() looks)
+        self.counters = LaneCounters(address)
+        self.attempted = False  # the first connect finished (either way)
+        self._sock: socket.socket | None = None
+        self._dead = False
+        self._writable: asyncio.Future[None] | None = None
+        self._idle: asyncio.Future[None] | None = None  # the writer waits for a frame
+        self._ever_connected = False
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def up(self) -> bool:
+        return self.counters.up
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or being written: the fast path may write."""
+        return not self.batch and self.queue.empty()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(),
+                                            name=f"sender-{self.owner.name}-{self.index}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._close_sock(abort=False)
+
+    # -- the fast path -------------------------------------------------------
+    def write_now(self, header: Header, payload: Any) -> tuple[bool, Framed | None]:
+        """One ``sendmsg`` from the caller when the lane is idle and connected.
+        ``(True, None)`` when the whole frame was written.  Otherwise the frame
+        is to be queued on this lane: ``(False, the partly written frame)``
+        when the socket buffer took only part of it (the writer finishes it,
+        first); ``(False, None)`` when not connected or on an error (the
+        writer deals with it as usual)."""
+        sock = self._sock
+        if sock is None or self._dead:
+            return False, None
+        try:
+            f = Framed(header, frame(header, payload))
+            n = sock.sendmsg(f.views, (), socket.MSG_NOSIGNAL)
+        except (BlockingIOError, InterruptedError):
+            return False, f
+        except Exception:  # noqa: BLE001  (WireError, OSError, ...: the writer reports it)
+            return False, None
+        self.owner.counters.writes += 1
+        f.consume(n)
+        if f.views:
+            return False, f
+        self._sent(f)
+        return True, None
+
+    def _sent(self, f: Framed) -> None:
+        c, oc = self.counters, self.owner.counters
+        c.frames_out += 1
+        c.bytes_out += f.total
+        oc.frames_out += 1
+        oc.bytes_out += f.total
+
+    # -- moving frames between lanes -------------------------------------------
+    def take_all(self) -> list[OutFrame]:
+        """Every frame of this lane not written yet, in order, for another
+        lane (the lane is down: its writer is not writing).  A frame cut off
+        mid-write is rewound: it is sent whole on its new lane."""
+        q = self.queue
+        out = []
+        for f in self.batch:
+            f.rewind()
+            out.append(OutFrame(f.header, None, f.total, f))
+            q.task_done()
+        self.batch.clear()
+        while not q.empty():
+            out.append(q.get_nowait())
+            q.task_done()
+        self.counters.moved += len(out)
+        return out
+
+    # -- the writer ------------------------------------------------------------
+    def _close_sock(self, *, abort: bool) -> None:
+        sock = self._sock
+        self._sock = None
+        self.counters.connected = False
+        if sock is not None and self._loop is not None:
+            fd = sock.fileno()
+            if fd >= 0:
+                with contextlib.suppress(Exception):
+                    self._loop.remove_reader(fd)
+                with contextlib.suppress(Exception):
+                    self._loop.remove_writer(fd)
+                if abort:  # straight to TCP_CLOSE (see the module)
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ABORT)
+            sock.close()
+
+    def _set_up(self, up: bool) -> None:
+        if self.counters.up != up:
+            self.counters.up = up
+            self.owner._lane_changed(self)
+
+    def _broken(self) -> None:
+        """The connection is gone: wake the writer wherever it waits."""
+        self._dead = True
+        for fut in (self._writable, self._idle):
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        self._close_sock(abort=True)
+        self._set_up(False)
+
+    def _on_readable(self) -> None:
+        """The downstream never sends: readable means it closed (or reset)."""
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            data = sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            return  # unexpected bytes from downstream: ignore
+        log.info("sender %s: %s closed the connection", self.owner.name, self.address)
+        self._broken()
+
+    async def _connect(self) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        delay = self.owner.backoff_initial
+        while True:
+            sock: socket.socket | None = None
+            try:
+                infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+                family, _, _, _, addr = infos[0]
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await asyncio.wait_for(loop.sock_connect(sock, addr), self.owner.connect_timeout)
+            except (TimeoutError, OSError) as e:
+                if sock is not None:
+                    sock.close()
+                self.counters.connect_failures += 1
+                self.owner.counters.connect_failures += 1
+                self.attempted = True
+                self._set_up(False)
+                wait = random.uniform(delay / 2, delay)
+                log.debug("sender %s: connect to %s failed (%s); retry in %.2fs",
+                          self.owner.name, self.address, e, wait)
+                await asyncio.sleep(wait)
+                delay = min(delay * 2, self.owner.backoff_max)
+                continue
+            if self._ever_connected:
+                self.counters.reconnects += 1
+                self.owner.counters.reconnects += 1
+                log.info("sender %s: reconnected to %s", self.owner.name, self.address)
+            self._ever_connected = True
+            self._sock = sock
+            self._dead = False
+            self.counters.connected = True
+            self.attempted = True
+            loop.add_reader(sock.fileno(), self._on_readable)
+            self.counters.up = True
+            self.owner._lane_changed(self)  # (also a first connect: spread kernel waits for it)
+            return sock
+
+    async def _wait_writable(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._writable = fut
+        fd = sock.fileno()
+        loop.add_writer(fd, _wake, fut)
+        try:
+            await fut
+        finally:
+            self._writable = None
+            if sock.fileno() >= 0:
+                loop.remove_writer(fd)
+
+    async def _next(self) -> OutFrame | None:
+        """The next queued frame; None when woken without one (the connection
+        broke while the lane was idle, or a frame arrived that another lane
+        took first)."""
+        q = self.queue
+        if not q.empty():
+            item: OutFrame = q.get_nowait()
+            return item
+        loop = asyncio.get_running_loop()
+        getter = loop.create_task(q.get())
+        self._idle = loop.create_future()
+        try:
+            await asyncio.wait((getter, self._idle), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._idle = None
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            item = getter.result()
+            return item
+        return None
+
+    async def _collect(self) -> None:
+        """Takes every frame already waiting (up to ``_BATCH_FRAMES`` /
+        ``_BATCH_BYTES``) into the batch, framed: one ``sendmsg`` writes them
+        all.  Real-time frames past their deadline and frames whose header
+        cannot be encoded are dropped here."""
+        q = self.queue
+        first = await self._next()
+        if first is None:
+            return
+        items = [first]
+        nbytes = first.nbytes
+        while len(items) < _BATCH_FRAMES and nbytes < _BATCH_BYTES and not q.empty():
+            item = q.get_nowait()
+            items.append(item)
+            nbytes += item.nbytes
+        owner, batch = self.owner, self.batch
+        for item in items:
+            if item.framed is not None and item.framed.started:  # partly written: finish it
+                batch.append(item.framed)
+                continue
+            if drop_late(item.header, owner.realtime):
+                owner._drop(item.header, "deadline")
+                q.task_done()
+                continue
+            if item.framed is not None:  # framed already (moved from another lane)
+                batch.append(item.framed)
+                continue
+            try:
+                batch.append(Framed(item.header, frame(item.header, item.payload)))
+            except WireError as e:  # a header we cannot encode: drop it, keep going
+                log.error("sender %s: cannot frame: %s", owner.name, e)
+                q.task_done()
+            except Exception:  # a payload that is not a buffer, ...: same
+                log.exception("sender %s: cannot frame", owner.name)
+                q.task_done()
+
+    async def _write(self, sock: socket.socket) -> None:
+        """Writes the batch with scatter/gather ``sendmsg`` (no copy), waiting
+        for writability when the socket buffer is full; each frame leaves the
+        batch (counted, ``task_done``) once all its bytes are written."""
+        batch, q = self.batch, self.queue
+        while batch:
+            if self._dead:
+                raise ConnectionResetError("downstream closed the connection")
+            views = [v for f in batch for v in f.views]
+            try:
+                n = sock.sendmsg(views, (), socket.MSG_NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                await self._wait_writable(sock)
+                continue
+            self.owner.counters.writes += 1
+            while n:
+                f = batch[0]
+                n = f.consume(n)
+                if not f.views:
+                    batch.pop(0)
+                    self._sent(f)
+                    q.task_done()
+
+    async def _run(self) -> None:
+        owner, batch = self.owner, self.batch
+        while True:
+            try:
+                sock = self._sock
+                if sock is None or self._dead:
+                    self._close_sock(abort=True)
+                    if self._ever_connected:
+                        self._set_up(False)
+                    if not self.idle:  # a frame that arrived as it broke: to a lane that is up
+                        self.owner._rebalance()
+                    sock = await self._connect()
+                    self._after_reconnect()
+                    continue  # (the owner may have moved frames meanwhile)
+                if not owner.ready.is_set():  # spread kernel: every lane connects first
+                    await owner.ready.wait()
+                    continue
+                if not batch:
+                    await self._collect()
+                    continue  # (re-checks the connection before writing)
+                await self._write(sock)
+            except asyncio.CancelledError:
+                raise
+            except OSError as e:
+                self.counters.send_errors += 1
+                owner.counters.send_errors += 1
+                log.info("sender %s: connection to %s lost: %s", owner.name, self.address, e)
+                self._broken()  # (the reconnect rewinds a frame cut off mid-write)
+            except Exception:  # never die
+                log.exception("sender %s: unexpected error", owner.name)
+                if any(f.started for f in batch):  # part of a frame is on the wire: start over
+                    self._broken()
+                for f in batch:
+                    owner._drop(f.header, "error")
+                    self.queue.task_done()
+                batch.clear()
+                await asyncio.sleep(0.1)
+
+    def _after_reconnect(self) -> None:
+        """A new connection: a frame cut off on the old one is sent whole, and
+        real-time frames that expired while we were reconnecting are dropped."""
+        keep = []
+        for f in self.batch:
+            if drop_late(f.header, self.owner.realtime):
+                self.owner._drop(f.header, "deadline")
+                self.queue.task_done()
+            else:
+                f.rewind()
+                keep.append(f)
+        self.batch[:] = keep

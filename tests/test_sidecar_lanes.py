@@ -1,0 +1,347 @@
+"""Outputs with several replicas: one connection (lane) per replica, frames
+spread by weight over them.
+
+* the config: ``replicas``, ``weights``, ``spread``, errors naming the field;
+* the user-space pick is the socket layer's law (``tests/socklayer_kit.
+  swrr_counts`` is the kernel's reference model);
+* ``spread: user`` on loopback: 10 000 frames of mixed sizes arrive
+  byte-exact, in order on every lane, split by the weights;
+* a replica (a real sidecar process) killed with SIGKILL: its share goes to
+  the others, nothing sent after the loss is lost, and it gets its share back
+  once it is restarted;
+* ``spread: kernel`` with the real socket layer in a cgroup of the test's
+  own (redirect on, ``set_weights``): a real sidecar process writes every
+  frame on its lead lane and the kernel splits 10 000 frames by the weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from mmmesh.wire import Header
+from sidecar.config import Limits, Output, SidecarConfig
+from sidecar.transport import FrameSender
+from sidecar.transport.spread import Swrr
+from tests.sidecar_stages import Sink, free_port, run, tensor_header, wait_for
+from tests.socklayer_kit import swrr_counts
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def output(**kw: Any) -> Output:
+    return Output.model_validate({"name": "next", "modality": "tensor", "sla_class": "video",
+                                  **kw})
+
+
+# -- config ---------------------------------------------------------------------
+def test_config_replicas_weights_and_spread() -> None:
+    o = output(replicas=["127.0.0.1:9001", "[::1]:9002", "fusion.ns.svc:9003"],
+               weights=[5, 3, 0])
+    assert o.addresses == ("127.0.0.1:9001", "[::1]:9002", "fusion.ns.svc:9003")
+    assert o.lane_weights == (5, 3, 0) and o.spread == "user"
+    assert output(address="127.0.0.1:9").lane_weights == (1,)
+    assert output(replicas=["127.0.0.1:1", "127.0.0.1:2"], spread="kernel").spread == "kernel"
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"replicas": ["127.0.0.1:1", "nope"]}, r"replicas\[1\] 'nope': expected host:port"),
+        ({"replicas": ["127.0.0.1:1", "127.0.0.1:70000"]}, r"replicas\[1\]"),
+        ({"replicas": [f"127.0.0.1:{p}" for p in range(1, 10)]}, r"replicas: 1 to 8"),
+        ({"replicas": []}, r"replicas: 1 to 8"),
+        ({"replicas": ["127.0.0.1:1", "127.0.0.1:1"]}, r"replicas\[1\] .*listed twice"),
+        ({"replicas": ["127.0.0.1:1"], "weights": [1, 2]}, r"weights: 2 for 1 replicas"),
+        ({"replicas": ["127.0.0.1:1"], "weights": [70000]}, r"weights\[0\]: 70000"),
+        ({"replicas": ["127.0.0.1:1"], "weights": [0]}, r"weights: at least one"),
+        ({"replicas": ["127.0.0.1:1"], "weights": [1], "spread": "kernel"},
+         r"weights: spread kernel takes the socket layer's"),
+        ({"address": "127.0.0.1:1", "replicas": ["127.0.0.1:2"]}, r"either address or replicas"),
+        ({}, r"either address or replicas"),
+        ({"address": "127.0.0.1:1", "weights": [1]}, r"weights: only with replicas"),
+        ({"address": "127.0.0.1:1", "spread": "kernel"}, r"spread: kernel needs replicas"),
+        ({"replicas": ["127.0.0.1:1"], "transport": "udp"}, r"replicas: only with transport tcp"),
+        ({"replicas": ["127.0.0.1:1"], "spread": "both"}, r"spread"),
+    ]
+    for kw, msg in bad:
+        with pytest.raises(ValidationError, match=msg):
+            output(**kw)
+    # in a whole config, the error names the output's field
+    with pytest.raises(ValidationError, match=r"outputs\.0\.replicas"):
+        SidecarConfig.model_validate({"stage": "a", "runner": {"kind": "python", "target": "m:f"},
+                                      "outputs": [{"name": "n", "replicas": "127.0.0.1:1",
+                                                   "modality": "tensor", "sla_class": "v"}]})
+
+
+# -- the pick ----------------------------------------------------------------------
+def test_user_space_pick_is_the_kernels_law() -> None:
+    rng = np.random.default_rng(7)
+    cases = [[5, 3, 2], [1, 1], [1, 0, 1], [65535, 1], [7], [3, 1, 4, 1, 5, 9, 2, 6]]
+    cases += [list(rng.integers(0, 20, size=int(rng.integers(1, 9)))) for _ in range(20)]
+    for weights in cases:
+        if not any(weights):
+            continue
+        s = Swrr(weights)
+        for n in (1, 7, 100, 1013):
+            got = [0] * len(weights)
+            s = Swrr(weights)
+            for _ in range(n):
+                i = s.pick()
+                assert i is not None
+                got[i] += 1
+            assert got == swrr_counts([int(w) for w in weights], n), (weights, n)
+    # a lane that is down is out of the pick: the others share its frames by weight
+    s = Swrr([5, 3, 2])
+    got = [0, 0, 0]
+    for _ in range(700):
+        i = s.pick([True, False, True])
+        assert i is not None
+        got[i] += 1
+    assert got == [500, 0, 200]
+    assert Swrr([0, 1]).pick([True, False]) is None
+
+
+# -- spread: user on loopback ----------------------------------------------------------
+def _payload(seq: int, n: int) -> np.ndarray:
+    seed = hashlib.sha256(seq.to_bytes(8, "little")).digest()
+    return np.frombuffer((seed * (n // 32 + 1))[:n], np.uint8).copy()
+
+
+def _within(counts: list[int], weights: list[int], n: int, tol: float = 0.05) -> bool:
+    total = sum(weights)
+    return all(abs(c - n * w / total) <= tol * n * w / total for c, w in zip(counts, weights))
+
+
+def test_user_spread_is_byte_exact_in_order_and_weighted() -> None:
+    n, weights = 10_000, [5, 3, 2]
+    rng = np.random.default_rng(11)
+    sizes = [int(rng.choice((rng.integers(0, 64), rng.integers(64, 4096),
+                             rng.integers(4096, 65536)))) for _ in range(n)]
+    sizes[100], sizes[5000] = 4 << 20, 1 << 20
+
+    async def main() -> None:
+        sinks = [await Sink(maxsize=n + 1).start() for _ in weights]
+        o = output(replicas=[f"127.0.0.1:{s.port}" for s in sinks], weights=weights)
+        sender = FrameSender(o, Limits())
+        await sender.start()
+        try:
+            for i, size in enumerate(sizes):
+                h = Header(modality=7, stream_id=3, sequence=i)
+                await sender.send(h, _payload(i, size))
+            assert await sender.flush(60)
+            await wait_for(lambda: sum(s.queue.qsize() for s in sinks) == n, 30,
+                           "every frame at a replica")
+            c = sender.counters
+            assert c.frames_out == n and c.lanes_up == 3 and c.connected
+            assert [lc.frames_out for lc in c.lanes] == [s.queue.qsize() for s in sinks]
+            counts = []
+            for s in sinks:
+                seqs = []
+                while not s.queue.empty():
+                    f = s.queue.get_nowait()
+                    seq = f.header.sequence
+                    assert seq is not None
+                    assert bytes(f.payload) == _payload(seq, sizes[seq]).tobytes(), seq
+                    seqs.append(seq)
+                assert seqs == sorted(seqs)  # in order on every lane
+                counts.append(len(seqs))
+            assert _within(counts, weights, n), counts
+            assert counts == swrr_counts(weights, n)  # the kernel's pick, exactly
+            snap = c.snapshot()
+            assert [lane["address"] for lane in snap["lanes"]] == list(o.addresses)
+        finally:
+            await sender.close()
+            for s in sinks:
+                await s.close()
+
+    run(main(), timeout=180)
+
+
+# -- real sidecar processes ------------------------------------------------------------------
+@contextlib.contextmanager
+def sidecar_process(tmp: Path, name: str, port: int, outputs: list[dict[str, Any]],
+                    cgroup: str | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """A real ``mmmesh-sidecar`` (identity stage) on 127.0.0.1:``port``,
+    started inside ``cgroup`` when given; killed at the end."""
+    cfg = {"stage": name, "listen": {"tcp": f"127.0.0.1:{port}"},
+           "runner": {"kind": "python", "target": "tests.sidecar_stages:identity"},
+           "outputs": outputs, "qosd": {"socket": None},
+           "limits": {"outbound_queue": 1024, "inbound_queue": 1024}}
+    path = tmp / f"{name}-{port}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = open(tmp / f"{name}-{port}.log", "ab")  # noqa: SIM115  (closed below)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "sidecar.main", "--config", str(path), "--log-level", "info"]
+    if cgroup is not None:
+        from tests.socklayer_kit import inside
+
+        with inside(cgroup):  # the child is born in the cgroup, and its sockets with it
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log)
+    else:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log)
+    try:
+        end = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, (tmp / f"{name}-{port}.log").read_text()
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            assert time.monotonic() < end, f"sidecar {name} did not listen on {port}"
+            time.sleep(0.1)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        log.close()
+
+
+async def _collect(sink: Sink, n: int, timeout: float = 30) -> dict[int, list[int]]:
+    """``n`` frames from the collector: sequences by replica (the class byte
+    each replica's sidecar puts on its output is 10 + its index)."""
+    got: dict[int, list[int]] = {}
+    for _ in range(n):
+        f = await sink.get(timeout)
+        seq = f.header.sequence
+        assert seq is not None
+        assert bytes(f.payload) == _payload(seq, 256).tobytes(), seq
+        got.setdefault(f.header.sla_class - 10, []).append(seq)
+    return got
+
+
+async def _send(sender: FrameSender, seqs: range) -> None:
+    for i in seqs:
+        a = _payload(i, 256)
+        await sender.send(tensor_header(a, stream_id=5, seq=i), a)
+    assert await sender.flush(30)
+
+
+def test_killed_replica_share_goes_to_the_others_and_comes_back(tmp_path: Path) -> None:
+    weights = [5, 3, 2]
+    ports = [free_port() for _ in weights]
+
+    async def main() -> None:
+        collector = await Sink(maxsize=100_000).start()
+        outs = [[{"name": "collect", "address": f"127.0.0.1:{collector.port}",
+                  "modality": "tensor", "sla_class": "video", "sla_class_id": 10 + i}]
+                for i in range(len(weights))]
+        with contextlib.ExitStack() as stack:
+            procs = [stack.enter_context(sidecar_process(tmp_path, f"rep{i}", p, outs[i]))
+                     for i, p in enumerate(ports)]
+            o = output(replicas=[f"127.0.0.1:{p}" for p in ports], weights=weights)
+            sender = FrameSender(o, Limits(), backoff_initial=0.05, backoff_max=0.2)
+            await sender.start()
+            lanes = sender.counters.lanes
+            try:
+                await _send(sender, range(1000))
+                got = await _collect(collector, 1000)
+                assert {r: len(s) for r, s in got.items()} == {0: 500, 1: 300, 2: 200}
+                assert all(s == sorted(s) for s in got.values())
+
+                procs[1].kill()  # SIGKILL: the replica's connection is gone
+                procs[1].wait(10)
+                await wait_for(lambda: not lanes[1].up, 10, "lane 1 down")
+                await _send(sender, range(1000, 2000))
+                got = await _collect(collector, 1000)  # nothing lost
+                assert 1 not in got, "a frame went to the killed replica"
+                assert _within([len(got[0]), len(got[2])], [5, 2], 1000), got.keys()
+                assert all(s == sorted(s) for s in got.values())
+                assert sender.counters.lanes_up == 2 and lanes[1].connect_failures >= 1
+
+                with sidecar_process(tmp_path, "rep1", ports[1], outs[1]):
+                    await wait_for(lambda: lanes[1].up and lanes[1].connected, 15,
+                                   "lane 1 back")
+                    assert lanes[1].reconnects == 1
+                    await _send(sender, range(2000, 3000))
+                    got = await _collect(collector, 1000)
+                    counts = [len(got.get(r, [])) for r in range(3)]
+                    assert _within(counts, weights, 1000), counts  # its share is back
+                    assert all(s == sorted(s) for s in got.values())
+                assert sender.counters.frames_out == 3000
+                assert sender.counters.dropped_other == 0
+            finally:
+                await sender.close()
+                await collector.close()
+
+    run(main(), timeout=240)
+
+
+# -- spread: kernel with the real socket layer ------------------------------------------------
+@pytest.mark.privileged
+def test_kernel_spread_from_a_real_sidecar(tmp_path: Path) -> None:
+    """A real sidecar process in a cgroup with the socket layer attached
+    writes all its frames on its lead lane; the kernel redirects them to the
+    replicas by the weights qosd would write (set_weights)."""
+    from mmmesh.dataplane import Endpoint, SocketLayer
+    from tests.conftest import require_privileged
+    from tests.socklayer_kit import inside, scratch_cgroup
+
+    require_privileged()
+    n, weights, stage = 10_000, [5, 3, 2], 41
+    sender_port = free_port()
+
+    async def main(path: str, sl: SocketLayer) -> None:
+        with inside(path):  # listening sockets in the cgroup: accepted ones are its too
+            sinks = [await Sink(maxsize=n + 1).start() for _ in weights]
+        sl.set_endpoints([Endpoint("127.0.0.1", s.port, stage, r) for r, s in enumerate(sinks)])
+        sl.set_weights(stage, weights)
+        before = sl.stats().events
+        out = [{"name": "next", "replicas": [f"127.0.0.1:{s.port}" for s in sinks],
+                "spread": "kernel", "modality": "tensor", "sla_class": "video"}]
+        try:
+            with sidecar_process(tmp_path, "lead", sender_port, out, cgroup=path):
+                _, w = await asyncio.open_connection("127.0.0.1", sender_port)
+                for k in range(0, n, 500):
+                    w.write(b"".join(_frame_bytes(i) for i in range(k, k + 500)))
+                    await w.drain()
+                await wait_for(lambda: sum(s.queue.qsize() for s in sinks) == n, 60,
+                               "every frame at a replica")
+                w.close()
+                flows = [f for f in sl.flows() if f.stage == stage and f.role == "client"]
+                assert sorted(f.replica for f in flows) == [0, 1, 2]  # one lane each
+                assert not any("sent_tcp" in f.flags for f in flows)  # no lane wrote TCP
+            counts = []
+            for s in sinks:
+                seqs = []
+                while not s.queue.empty():
+                    f = s.queue.get_nowait()
+                    seq = f.header.sequence
+                    assert seq is not None
+                    assert bytes(f.payload) == _payload(seq, 64).tobytes()
+                    seqs.append(seq)
+                assert seqs == sorted(seqs)  # in order at every replica
+                counts.append(len(seqs))
+            assert _within(counts, weights, n), counts
+            print(f"kernel split of {n} frames: {counts} (model {swrr_counts(weights, n)})")
+            d = {k: v - before.get(k, 0) for k, v in sl.stats().events.items()}
+            # the kernel moved every frame (none over TCP), each to a lane it knew
+            assert d["redirected"] == d["frames"] == n and d["passed"] == 0, d
+            assert d["lane_miss"] == d["not_lead"] == d["split_header"] == 0, d
+        finally:
+            for s in sinks:
+                await s.close()
+
+    with scratch_cgroup("lanes") as (path, rel):
+        sl = SocketLayer(rel)
+        sl.up([])
+        try:
+            run(main(path, sl), timeout=180)
+        finally:
+            sl.down()
+
+
+def _frame_bytes(i: int) -> bytes:
+    from tests.sidecar_stages import frame_bytes
+
+    a = _payload(i, 64)
+    return frame_bytes(tensor_header(a, stream_id=9, seq=i), a)
