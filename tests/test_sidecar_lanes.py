@@ -277,50 +277,94 @@ def test_killed_replica_share_goes_to_the_others_and_comes_back(tmp_path: Path) 
 
 
 # -- spread: kernel with the real socket layer ------------------------------------------------
+@pytest.fixture(scope="module")
+def layer() -> Iterator[tuple[str, Any]]:
+    """The real socket layer on a cgroup of the test's own: (path, SocketLayer);
+    one for the module, each test on a stage of its own."""
+    from mmmesh.dataplane import SocketLayer
+    from tests.conftest import require_privileged
+    from tests.socklayer_kit import scratch_cgroup
+
+    require_privileged()
+    with scratch_cgroup("lanes") as (path, rel):
+        sl = SocketLayer(rel)
+        sl.up([])
+        try:
+            yield path, sl
+        finally:
+            sl.down()
+
+
+async def _replica(path: str, port: int = 0) -> Sink:
+    """A replica's receiving end, its listening socket made inside the cgroup
+    (an accepted socket belongs to its listener's cgroup)."""
+    from tests.socklayer_kit import inside
+
+    with inside(path):
+        return await Sink(tcp=f"127.0.0.1:{port}", maxsize=100_000).start()
+
+
+def _take(sinks: list[Sink]) -> list[list[int]]:
+    """Every frame the replicas hold now: sequences per replica, each checked
+    byte for byte and in order."""
+    out = []
+    for s in sinks:
+        seqs = []
+        while not s.queue.empty():
+            f = s.queue.get_nowait()
+            seq = f.header.sequence
+            assert seq is not None
+            assert bytes(f.payload) == _payload(seq, 64).tobytes(), seq
+            seqs.append(seq)
+        assert seqs == sorted(seqs)  # in order at every replica
+        out.append(seqs)
+    return out
+
+
+async def _feed(w: asyncio.StreamWriter, sinks: list[Sink], seqs: range) -> None:
+    """Frames ``seqs`` into the sender sidecar, until all are at the replicas."""
+    held = sum(s.queue.qsize() for s in sinks)
+    for k in range(seqs.start, seqs.stop, 500):
+        w.write(b"".join(_frame_bytes(i) for i in range(k, min(k + 500, seqs.stop))))
+        await w.drain()
+    await wait_for(lambda: sum(s.queue.qsize() for s in sinks) == held + len(seqs), 60,
+                   "every frame at a replica")
+
+
+def _kernel_output(sinks: list[Sink]) -> list[dict[str, Any]]:
+    return [{"name": "next", "replicas": [f"127.0.0.1:{s.port}" for s in sinks],
+             "spread": "kernel", "modality": "tensor", "sla_class": "video"}]
+
+
+def _lanes(sl: Any, stage: int) -> list[Any]:
+    return [f for f in sl.flows() if f.stage == stage and f.role == "client"]
+
+
 @pytest.mark.privileged
-def test_kernel_spread_from_a_real_sidecar(tmp_path: Path) -> None:
+def test_kernel_spread_from_a_real_sidecar(tmp_path: Path, layer: tuple[str, Any]) -> None:
     """A real sidecar process in a cgroup with the socket layer attached
     writes all its frames on its lead lane; the kernel redirects them to the
     replicas by the weights qosd would write (set_weights)."""
-    from mmmesh.dataplane import Endpoint, SocketLayer
-    from tests.conftest import require_privileged
-    from tests.socklayer_kit import inside, scratch_cgroup
+    from mmmesh.dataplane import Endpoint
 
-    require_privileged()
+    path, sl = layer
     n, weights, stage = 10_000, [5, 3, 2], 41
-    sender_port = free_port()
 
-    async def main(path: str, sl: SocketLayer) -> None:
-        with inside(path):  # listening sockets in the cgroup: accepted ones are its too
-            sinks = [await Sink(maxsize=n + 1).start() for _ in weights]
+    async def main() -> None:
+        sinks = [await _replica(path) for _ in weights]
         sl.set_endpoints([Endpoint("127.0.0.1", s.port, stage, r) for r, s in enumerate(sinks)])
         sl.set_weights(stage, weights)
         before = sl.stats().events
-        out = [{"name": "next", "replicas": [f"127.0.0.1:{s.port}" for s in sinks],
-                "spread": "kernel", "modality": "tensor", "sla_class": "video"}]
+        port = free_port()
         try:
-            with sidecar_process(tmp_path, "lead", sender_port, out, cgroup=path):
-                _, w = await asyncio.open_connection("127.0.0.1", sender_port)
-                for k in range(0, n, 500):
-                    w.write(b"".join(_frame_bytes(i) for i in range(k, k + 500)))
-                    await w.drain()
-                await wait_for(lambda: sum(s.queue.qsize() for s in sinks) == n, 60,
-                               "every frame at a replica")
+            with sidecar_process(tmp_path, "lead", port, _kernel_output(sinks), cgroup=path):
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+                await _feed(w, sinks, range(n))
                 w.close()
-                flows = [f for f in sl.flows() if f.stage == stage and f.role == "client"]
+                flows = _lanes(sl, stage)
                 assert sorted(f.replica for f in flows) == [0, 1, 2]  # one lane each
                 assert not any("sent_tcp" in f.flags for f in flows)  # no lane wrote TCP
-            counts = []
-            for s in sinks:
-                seqs = []
-                while not s.queue.empty():
-                    f = s.queue.get_nowait()
-                    seq = f.header.sequence
-                    assert seq is not None
-                    assert bytes(f.payload) == _payload(seq, 64).tobytes()
-                    seqs.append(seq)
-                assert seqs == sorted(seqs)  # in order at every replica
-                counts.append(len(seqs))
+            counts = [len(x) for x in _take(sinks)]
             assert _within(counts, weights, n), counts
             print(f"kernel split of {n} frames: {counts} (model {swrr_counts(weights, n)})")
             d = {k: v - before.get(k, 0) for k, v in sl.stats().events.items()}
@@ -331,13 +375,56 @@ def test_kernel_spread_from_a_real_sidecar(tmp_path: Path) -> None:
             for s in sinks:
                 await s.close()
 
-    with scratch_cgroup("lanes") as (path, rel):
-        sl = SocketLayer(rel)
-        sl.up([])
+    run(main(), timeout=180)
+
+
+@pytest.mark.privileged
+def test_kernel_spread_survives_the_lead_replica(tmp_path: Path, layer: tuple[str, Any]) -> None:
+    """The lead lane's replica goes away: the next lane becomes the lead (the
+    old one's claim is released at once), the kernel sends the lost replica's
+    share to the lead's own replica (lane_miss), nothing is lost; back, the
+    replica gets its share again on its new lane."""
+    from mmmesh.dataplane import Endpoint
+
+    path, sl = layer
+    n, weights, stage = 2000, [5, 3, 2], 42
+
+    async def main() -> None:
+        sinks = [await _replica(path) for _ in weights]
+        sl.set_endpoints([Endpoint("127.0.0.1", s.port, stage, r) for r, s in enumerate(sinks)])
+        sl.set_weights(stage, weights)
+        port = free_port()
         try:
-            run(main(path, sl), timeout=180)
+            with sidecar_process(tmp_path, "lead", port, _kernel_output(sinks), cgroup=path):
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+                await _feed(w, sinks, range(n))
+                assert [len(x) for x in _take(sinks)] == [1000, 600, 400]
+
+                gone = sinks[0].port
+                await sinks[0].close()  # replica 0, the lead's, goes away
+                await wait_for(lambda: 0 not in [f.replica for f in _lanes(sl, stage)], 10,
+                               "lane 0 closed")
+                before = sl.stats().events
+                await _feed(w, sinks, range(n, 2 * n))
+                got = _take(sinks)
+                d = {k: v - before.get(k, 0) for k, v in sl.stats().events.items()}
+                assert got[0] == [] and len(got[1]) + len(got[2]) == n  # nothing lost
+                assert _within([len(got[1]), len(got[2])], [8, 2], n), got  # 0's share -> lead's
+                assert d["redirected"] == n and d["not_lead"] == 0, d
+                assert abs(d["lane_miss"] - n // 2) <= 0.05 * n // 2, d
+
+                sinks[0] = await _replica(path, gone)  # back on its address
+                await wait_for(lambda: 0 in [f.replica for f in _lanes(sl, stage)], 15,
+                               "lane 0 reconnected")
+                await _feed(w, sinks, range(2 * n, 3 * n))
+                counts = [len(x) for x in _take(sinks)]
+                assert _within(counts, weights, n), counts  # its share is back
+                w.close()
         finally:
-            sl.down()
+            for s in sinks:
+                await s.close()
+
+    run(main(), timeout=180)
 
 
 def _frame_bytes(i: int) -> bytes:
