@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -147,6 +148,18 @@ class FrameQueue(asyncio.Queue):  # type: ignore[type-arg]
         self._unfinished_tasks += 1  # type: ignore[attr-defined]
         self._finished.clear()  # type: ignore[attr-defined]
         self._wakeup_next(self._getters)  # type: ignore[attr-defined]
+
+    async def wait_item(self, fut: asyncio.Future[None]) -> None:
+        """Waits until ``fut`` is done: when an item is put, or when whoever
+        else holds ``fut`` sets it.  Unlike ``get`` it takes nothing: the item
+        stays in the queue until its one consumer takes it (a frame is never
+        out of the queue and not yet in the writer's hands)."""
+        self._getters.append(fut)  # type: ignore[attr-defined]
+        try:
+            await fut
+        finally:
+            with contextlib.suppress(ValueError):
+                self._getters.remove(fut)  # type: ignore[attr-defined]
 
     @property
     def unfinished(self) -> int:

@@ -267,26 +267,22 @@ class Lane:
                 loop.remove_writer(fd)
 
     async def _next(self) -> OutFrame | None:
-        """The next queued frame; None when woken without one (the connection
-        broke while the lane was idle, or a frame arrived that another lane
-        took first)."""
+        """The next queued frame; None when the connection broke while the
+        lane was idle.  The frame stays in the queue until the writer takes it
+        here, so ``send()``'s fast path never overtakes it."""
         q = self.queue
-        if not q.empty():
-            item: OutFrame = q.get_nowait()
-            return item
         loop = asyncio.get_running_loop()
-        getter = loop.create_task(q.get())
-        self._idle = loop.create_future()
-        try:
-            await asyncio.wait((getter, self._idle), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            self._idle = None
-            if not getter.done():
-                getter.cancel()
-        if getter.done() and not getter.cancelled():
-            item = getter.result()
-            return item
-        return None
+        while q.empty():
+            if self._dead:
+                return None
+            fut: asyncio.Future[None] = loop.create_future()
+            self._idle = fut
+            try:
+                await q.wait_item(fut)
+            finally:
+                self._idle = None
+        item: OutFrame = q.get_nowait()
+        return item
 
     async def _collect(self) -> None:
         """Takes every frame already waiting (up to ``_BATCH_FRAMES`` /
