@@ -13,7 +13,9 @@ Each member has its own data directory under ``root`` and its own ports
 clients over ``host`` (TLS with client certificates when ``certs`` is given:
 a CA and an ``etcd.pem``/``etcd.key`` issued by mmmesh.ctl._certs).  Timers
 are short (heartbeat 50 ms, election 500 ms) so a killed leader is replaced
-within a second.  Everything is killed and removed on exit, also when
+within a second; a benchmark that loads the machine passes etcd's own defaults
+(``heartbeat_ms=100, election_ms=1000``) so its members do not hold elections
+when the CPUs are busy.  Everything is killed and removed on exit, also when
 start-up or the test fails.
 """
 
@@ -49,8 +51,10 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 class EtcdCluster:
     def __init__(self, root: Path, n: int = 3, *, host: str = "127.0.0.1",
                  netns: str | None = None, certs: Path | None = None,
-                 ports: list[int] | None = None) -> None:
+                 ports: list[int] | None = None, heartbeat_ms: int = 50,
+                 election_ms: int = 500) -> None:
         self.root, self.n, self.host, self.netns, self.certs = root, n, host, netns, certs
+        self.heartbeat_ms, self.election_ms = heartbeat_ms, election_ms
         if ports is None:
             ports = free_ports(2 * n) if netns is None else [23790 + i for i in range(2 * n)]
         self.client_ports, self.peer_ports = ports[:n], ports[n:]
@@ -80,7 +84,8 @@ class EtcdCluster:
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
                 "--initial-cluster", self._initial, "--initial-cluster-state", state,
                 "--initial-cluster-token", f"mmmesh-{self.root.name}",
-                "--heartbeat-interval", "50", "--election-timeout", "500",
+                "--heartbeat-interval", str(self.heartbeat_ms),
+                "--election-timeout", str(self.election_ms),
                 "--logger", "zap", "--log-level", "warn"]
         if self.certs is not None:
             argv += ["--cert-file", str(self.certs / "etcd.pem"),
