@@ -84,6 +84,17 @@ def test_config_replicas_weights_and_spread() -> None:
                                                    "modality": "tensor", "sla_class": "v"}]})
 
 
+def test_the_documented_replicas_output_is_valid() -> None:
+    import re
+
+    doc = (ROOT / "docs" / "sidecar.md").read_text()
+    section = doc[doc.index("## Replicas and lanes"):]
+    block = re.search(r"```yaml\n(.*?)```", section, re.DOTALL)
+    assert block, "docs/sidecar.md: no yaml example under 'Replicas and lanes'"
+    (o,) = [Output.model_validate(x) for x in yaml.safe_load(block.group(1))["outputs"]]
+    assert len(o.addresses) == 3 and o.lane_weights == (5, 3, 2) and o.spread == "user"
+
+
 # -- the pick ----------------------------------------------------------------------
 def test_user_space_pick_is_the_kernels_law() -> None:
     rng = np.random.default_rng(7)
