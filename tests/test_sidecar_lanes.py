@@ -171,6 +171,22 @@ def test_user_spread_is_byte_exact_in_order_and_weighted() -> None:
             assert counts == swrr_counts(weights, n)  # the kernel's pick, exactly
             snap = c.snapshot()
             assert [lane["address"] for lane in snap["lanes"]] == list(o.addresses)
+            # scraped: frames per lane, and each lane up
+            from prometheus_client import CollectorRegistry, generate_latest
+
+            from sidecar.sla.prometheus import CountersCollector
+
+            class Counters:
+                def snapshot(self) -> dict[str, Any]:
+                    return {"senders": {"next": c.snapshot()}}
+
+            reg = CollectorRegistry()
+            reg.register(CountersCollector("st", Counters()))
+            text = generate_latest(reg).decode()
+            for i, (a, k) in enumerate(zip(o.addresses, counts)):
+                lv = f'address="{a}",output="next",replica="{i}",stage="st"'
+                assert f"mmmesh_sidecar_lane_frames_sent_total{{{lv}}} {float(k)}" in text, text
+                assert f"mmmesh_sidecar_lane_up{{{lv}}} 1.0" in text
         finally:
             await sender.close()
             for s in sinks:

@@ -143,13 +143,23 @@ class CountersCollector(Collector):
                                   labels=["stage", "output"])
         up = GaugeMetricFamily("mmmesh_sidecar_output_connected", "1 when connected",
                                labels=["stage", "output"])
+        labels = ["stage", "output", "replica", "address"]
+        lane_out = CounterMetricFamily("mmmesh_sidecar_lane_frames_sent",
+                                       "MMH frames sent on each lane (replica) of an output",
+                                       labels=labels)
+        lane_up = GaugeMetricFamily("mmmesh_sidecar_lane_up", "1 when the lane is in the pick "
+                                    "(connected, or its first connect pending)", labels=labels)
         for name, s in snd.items():
             out.add_metric([self.stage, name], s.get("frames_out", 0))
             drops.add_metric([self.stage, name, "deadline"], s.get("dropped_deadline", 0))
             drops.add_metric([self.stage, name, "overload"], s.get("dropped_overload", 0))
             rec.add_metric([self.stage, name], s.get("reconnects", 0))
             up.add_metric([self.stage, name], 1.0 if s.get("connected") else 0.0)
-        yield from (out, drops, rec, up)
+            for i, lane in enumerate(s.get("lanes") or []):
+                lv = [self.stage, name, str(i), str(lane.get("address", ""))]
+                lane_out.add_metric(lv, lane.get("frames_out", 0))
+                lane_up.add_metric(lv, 1.0 if lane.get("up") else 0.0)
+        yield from (out, drops, rec, up, lane_out, lane_up)
 
 
 def serve_metrics(addr: str, registry: CollectorRegistry) -> tuple[Any, threading.Thread]:
