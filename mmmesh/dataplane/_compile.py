@@ -45,6 +45,26 @@ def src_key(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> _abi.SrcKey:
     return k
 
 
+# HTB token buckets.  The kernel's default bucket (tc's and pyroute2's
+# rate/HZ + 1600 B, with HZ = 10^9 on high-resolution timers) holds one MTU:
+# a class that sends near its ceil is throttled after every packet, waits for
+# the qdisc watchdog each time, and loses the link whenever the watchdog fires
+# late.  The link class's buckets and every leaf's ceil bucket hold
+# HTB_BURST_US at their rate instead (docs/benchmarks.md, "Voice at the kernel
+# timestamp").  It is also the most the link class hands the device at once
+# after an idle spell; leaves keep the default rate bucket.  0: kernel default.
+HTB_BURST_US = 1000
+HTB_MIN_BURST = 1600  # bytes: the kernel default's floor
+
+
+def htb_burst(rate_bps: int) -> int | None:
+    """Bytes of a token bucket at ``rate_bps``: HTB_BURST_US of it, at least
+    HTB_MIN_BURST; None (the kernel's default) when HTB_BURST_US is 0."""
+    if HTB_BURST_US <= 0:
+        return None
+    return max(HTB_MIN_BURST, rate_bps * HTB_BURST_US // 8_000_000)
+
+
 def compile_policy(policy: Policy, version: int = 0) -> CompiledPolicy:
     ranks = {c.name: i for i, c in enumerate(policy.ranked())}
     classes: dict[int, _abi.ClassInfo] = {}
@@ -99,10 +119,11 @@ def compile_policy(policy: Policy, version: int = 0) -> CompiledPolicy:
         leaves=tuple(
             HtbClass(
                 classid=c.classid, rate_bps=int(c.rate), ceil_bps=int(policy.ceil_of(c)),
-                prio=c.priority, quantum=c.quantum,
+                prio=c.priority, quantum=c.quantum, cburst=htb_burst(int(policy.ceil_of(c))),
             )
             for c in policy.classes
         ),
+        link_burst=htb_burst(link),
     )
     return CompiledPolicy(config, classes, modalities, sources, htb)
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Any
+from typing import Any, Self
 
 from pyroute2 import IPRoute
 from pyroute2 import config as pyroute2_config
 from pyroute2.netlink.exceptions import NetlinkError
+from pyroute2.netlink.rtnl.tcmsg import sched_htb
 
 from .._abi import HTB_MAJOR, MAX_CLASSES
 from .._errors import DataplaneError
@@ -77,6 +78,21 @@ def _same_rates(cur: HtbClassStats, rate_bps: int, ceil_bps: int) -> bool:
     return cur.rate_Bps == int(rate_bps) // 8 and cur.ceil_Bps == int(ceil_bps) // 8
 
 
+def _buckets(burst: int | None, cburst: int | None) -> dict[str, int]:
+    """pyroute2 keywords for an HTB class's token buckets, in bytes (a bucket
+    left out gets the kernel's default)."""
+    kw = {"burst": burst, "cburst": cburst}
+    return {k: int(v) for k, v in kw.items() if v is not None}
+
+
+def _buffers(rate_bps: int, ceil_bps: int, buckets: dict[str, int]) -> tuple[int, int]:
+    """(buffer, cbuffer) in scheduler ticks, as pyroute2 sends them for these
+    and the kernel dumps them back."""
+    p = sched_htb.get_class_parameters(
+        {"rate": _bit(rate_bps), "ceil": _bit(ceil_bps), **buckets})["attrs"][0][1]
+    return int(p["buffer"]), int(p["cbuffer"])
+
+
 def _err(e: NetlinkError, what: str) -> DataplaneError:
     return DataplaneError(e.code, f"{what}: {e}")
 
@@ -98,7 +114,7 @@ class Netlink:
     def close(self) -> None:
         self.ipr.close()
 
-    def __enter__(self) -> Netlink:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -189,8 +205,10 @@ class Netlink:
                 raise _err(e, "delete clsact") from e
 
     # ---------------------------------------------------------------- HTB
-    def htb_classes(self, idx: int) -> dict[int, HtbClassStats]:
-        """Our HTB classes with their live statistics, by class id."""
+    def htb_classes(self, idx: int, buffers: dict[int, tuple[int, int]] | None = None
+                    ) -> dict[int, HtbClassStats]:
+        """Our HTB classes with their live statistics, by class id; ``buffers``,
+        if given, gets each class's (buffer, cbuffer) in scheduler ticks."""
         out: dict[int, HtbClassStats] = {}
         for c in self.ipr.get_classes(index=idx):
             if c.get_attr("TCA_KIND") != "htb" or (c["handle"] >> 16) != HTB_MAJOR:
@@ -210,6 +228,8 @@ class Netlink:
             if params is not None:
                 st.update(prio=int(params["prio"]), quantum=int(params["quantum"]),
                           rate_Bps=int(params["rate"]), ceil_Bps=int(params["ceil"]))
+                if buffers is not None:
+                    buffers[st["classid"]] = (int(params["buffer"]), int(params["cbuffer"]))
                 r64 = opts.get_attr("TCA_HTB_RATE64")
                 c64 = opts.get_attr("TCA_HTB_CEIL64")
                 if r64:
@@ -247,23 +267,25 @@ class Netlink:
         ours = kind == "htb" and handle == HTB_ROOT
         self._check_root(idx, kind, handle, ours, force)
         try:
-            if ours:
-                # sch_htb has no change op: the default class can only be set at
-                # creation, so a new default means a new root.
-                if self.htb_default(idx) != spec.default_minor:
-                    self.ipr.tc("del", "htb", idx, HTB_ROOT)
-                    ours = False
+            # sch_htb has no change op: the default class can only be set at
+            # creation, so a new default means a new root.
+            if ours and self.htb_default(idx) != spec.default_minor:
+                self.ipr.tc("del", "htb", idx, HTB_ROOT)
+                ours = False
             if not ours:
                 self.ipr.tc("replace", "htb", idx, HTB_ROOT, default=spec.default_minor)
             # Only what differs is rewritten: a re-apply of the same policy
             # costs two dumps, and unchanged classes keep their state.
-            have = self.htb_classes(idx) if ours else {}
+            buf: dict[int, tuple[int, int]] = {}
+            have = self.htb_classes(idx, buf) if ours else {}
             leaves = self._leaf_parents(idx) if ours else set()
             parent = have.get(HTB_PARENT)
-            if parent is None or not _same_rates(parent, spec.link_bps, spec.link_bps):
+            link_kw = _buckets(spec.link_burst, spec.link_burst)
+            if (parent is None or not _same_rates(parent, spec.link_bps, spec.link_bps)
+                    or buf.get(HTB_PARENT) != _buffers(spec.link_bps, spec.link_bps, link_kw)):
                 self.ipr.tc(
                     "replace-class", "htb", idx, HTB_PARENT, parent=HTB_ROOT,
-                    rate=_bit(spec.link_bps), ceil=_bit(spec.link_bps), prio=0,
+                    rate=_bit(spec.link_bps), ceil=_bit(spec.link_bps), prio=0, **link_kw,
                 )
 
             def lowered_first(c: HtbClass) -> tuple[bool, int]:
@@ -272,13 +294,15 @@ class Netlink:
 
             for c in sorted(spec.leaves, key=lowered_first):
                 cur = have.get(c.classid)
+                kw = _buckets(None, c.cburst)
                 if (cur is None or cur.parent != HTB_PARENT
                         or not _same_rates(cur, c.rate_bps, c.ceil_bps)
-                        or cur.prio != c.prio or cur.quantum != c.quantum):
+                        or cur.prio != c.prio or cur.quantum != c.quantum
+                        or buf.get(c.classid) != _buffers(c.rate_bps, c.ceil_bps, kw)):
                     self.ipr.tc(
                         "replace-class", "htb", idx, c.classid, parent=HTB_PARENT,
                         rate=_bit(c.rate_bps), ceil=_bit(c.ceil_bps), prio=c.prio,
-                        quantum=c.quantum,
+                        quantum=c.quantum, **kw,
                     )
                 if c.classid not in leaves:
                     self._leaf_qdisc(idx, c.classid, spec.leaf_limit)

@@ -23,6 +23,7 @@ class HtbClass:
     ceil_bps: int  # bit/s
     prio: int  # 0..7
     quantum: int  # bytes
+    cburst: int | None = None  # bytes in the ceil bucket; None: the kernel's default (~1 MTU)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class HtbSpec:
     default_minor: int
     leaves: tuple[HtbClass, ...]
     leaf_limit: int = 100  # packets: short queues keep latency bounded
+    link_burst: int | None = None  # bytes in the link class's buckets; None: kernel default
 
 
 @dataclass(frozen=True)
