@@ -174,6 +174,7 @@ class FrameSender:
 
     def _pick(self) -> Lane:
         lanes = self.lanes
+        assert lanes, "start() first"
         if self.kernel:
             return lanes[self._lead]
         if len(lanes) == 1:
