@@ -4,6 +4,7 @@
     netlab.py    netlink for testbeds: namespaces, veth links, routes, the FIFO baseline
     streams.py   ports, the traffic spec, MMH frame templates, latency statistics
     traffic.py   voice / video flood / LiDAR senders and receivers, one process each
+    voice.py     the voice sender (TX timestamps) and where a voice frame waits
     scenario.py  the phases (mesh off, mesh on, unloaded) and their results
     report.py    progress lines, the table, results.json and latency.png
     pipeline.py  the reference multimodal pipeline across three namespace nodes

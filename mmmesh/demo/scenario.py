@@ -24,6 +24,7 @@ from ..policy import Policy, Rate, load_policy, parse_policy
 from .streams import TrafficSpec
 from .testbed import UPLINK, Testbed
 from .traffic import run_traffic
+from .voice import PARTS
 
 DEFAULT_POLICY = "examples/policy.yaml"
 MODALITIES = ("voice", "video", "lidar")
@@ -78,6 +79,7 @@ def _class_snapshot(st: DataplaneStatus) -> dict[str, dict[str, Any]]:
             "htb_packets": h.packets if h else 0,
             "htb_bytes": h.bytes if h else 0,
             "htb_drops": h.drops if h else 0,
+            "htb_overlimits": h.overlimits if h else 0,  # throttled: waits for the watchdog
         }
     return out
 
@@ -114,6 +116,11 @@ def _finite(x: float) -> bool:
     return isinstance(x, int | float) and math.isfinite(x)
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b is not None and _finite(a) and _finite(b) and b > 0 \
+        else None
+
+
 def summarize(results: dict[str, Any], cfg: DemoConfig) -> dict[str, Any]:
     """The headline numbers: voice p99 off / on / unloaded and their ratios."""
     ph = results["phases"]
@@ -122,20 +129,27 @@ def summarize(results: dict[str, Any], cfg: DemoConfig) -> dict[str, Any]:
     unl = ph.get("unloaded", {}).get("voice", {})
     s: dict[str, Any] = {
         "voice_p99_off_ms": off.get("p99_ms"),
-        "voice_p99_on_ms": on.get("p99_ms"),
-        "voice_p99_unloaded_ms": unl.get("p99_ms"),
         "voice_loss_off_pct": off.get("loss_pct"),
         "voice_loss_on_pct": on.get("loss_pct"),
     }
-    # the same, to the kernel's receive timestamp (leaves out the receiver's wake-up)
+    # "kernel": to the kernel's receive timestamp (leaves out the receiver's wake-up)
     s["voice_kernel_p99_off_ms"] = off.get("kernel_p99_ms")
-    s["voice_kernel_p99_on_ms"] = on.get("kernel_p99_ms")
-    s["voice_kernel_p99_unloaded_ms"] = unl.get("kernel_p99_ms")
-    ko, kn = s["voice_kernel_p99_off_ms"], s["voice_kernel_p99_on_ms"]
-    s["voice_kernel_p99_off_over_on"] = ko / kn if _finite(ko) and _finite(kn) and kn > 0 else None
-    a, b, u = s["voice_p99_off_ms"], s["voice_p99_on_ms"], s["voice_p99_unloaded_ms"]
-    s["voice_p99_off_over_on"] = a / b if _finite(a) and _finite(b) and b > 0 else None
-    s["voice_p99_on_over_unloaded"] = b / u if _finite(b) and _finite(u) and u > 0 else None
+    s["voice_p99_off_over_on"] = _ratio(off.get("p99_ms"), on.get("p99_ms"))
+    s["voice_kernel_p99_off_over_on"] = _ratio(off.get("kernel_p99_ms"), on.get("kernel_p99_ms"))
+    # mesh on under the flood vs voice alone, p50 and p99, socket and kernel timestamp
+    for key in ("p50_ms", "p99_ms", "kernel_p50_ms", "kernel_p99_ms"):
+        name = "voice_" + key.removesuffix("_ms")
+        s[f"{name}_on_ms"], s[f"{name}_unloaded_ms"] = on.get(key), unl.get(key)
+        s[f"{name}_on_over_unloaded"] = _ratio(on.get(key), unl.get(key))
+    # where voice spends its time (with TrafficSpec.voice_tx_ts), p50/p99 in ms
+    # and what its slowest 1 % spent in each part (means, ms)
+    s["voice_breakdown"] = {
+        name: {**{part: [r["breakdown"][part]["p50_ms"], r["breakdown"][part]["p99_ms"]]
+                  for part in PARTS},
+               "tail_kernel": r["breakdown"]["tail_kernel"],
+               "tail_socket": r["breakdown"]["tail_socket"]}
+        for name, r in (("on", on), ("unloaded", unl)) if r.get("breakdown")
+    }
 
     def sla(r: dict[str, Any]) -> bool | None:
         if not r:
@@ -228,7 +242,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda _m: None) -> dict[str,
                 try:
                     dp.down()
                     progress("dataplane down")
-                except Exception as e:  # never mask the original error
+                except Exception as e:  # noqa: BLE001 - never mask the original error
                     progress(f"dataplane down failed: {e}")
     results["summary"] = summarize(results, cfg)
     results["elapsed_s"] = time.monotonic() - t_start

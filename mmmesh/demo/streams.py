@@ -1,12 +1,15 @@
-"""The demo's streams: ports, the traffic spec, MMH frame templates and the
-latency statistics that senders and receivers (``traffic.py``) share."""
+"""The demo's streams: ports, the traffic spec, MMH frame templates, the
+latency statistics and the process set-up (CPU, scheduling class, timing)
+that senders and receivers (``traffic.py``, ``voice.py``) share."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +25,7 @@ SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 UDP_IP_OVERHEAD = 28  # IPv4 + UDP header bytes per datagram
 
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # also SCM_TIMESTAMPNS
+SO_TIMESTAMPING = getattr(socket, "SO_TIMESTAMPING", 37)  # also SCM_TIMESTAMPING
 TIMESPEC = struct.Struct("@qq")
 U64 = struct.Struct("!Q")
 MAGIC = struct.Struct("!I")
@@ -58,10 +62,63 @@ class TrafficSpec:
     bulk_nice: int = 0
     # Also measure voice latency to the kernel's receive timestamp (SO_TIMESTAMPNS).
     voice_kernel_ts: bool = True
+    # Also take the voice sender's TX timestamps (SO_TIMESTAMPING: when a frame
+    # enters the device's queueing layer, and when the driver takes it), which
+    # split the latency to the kernel's receive timestamp into sender, qdisc
+    # and wire (``voice.breakdown``).  Same in every phase.
+    voice_tx_ts: bool = False
+    # CPUs of the voice endpoints and of the bulk endpoints (flood sender,
+    # video and LiDAR endpoints); None: wherever the scheduler puts them.
+    voice_cpu: int | None = None
+    bulk_cpu: int | None = None
 
     @property
     def flood_pps(self) -> float:
         return self.flood_factor * self.link_bps / ((self.video_size + UDP_IP_OVERHEAD) * 8)
+
+
+# --------------------------------------------------------------------------
+# Process set-up (each stream runs in its own process)
+# --------------------------------------------------------------------------
+def realtime(enabled: bool, prio: int = 10) -> bool:
+    """Switches the calling process to SCHED_FIFO ``prio``; False if not possible."""
+    if not enabled:
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(prio))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+def nice(inc: int) -> None:
+    if inc:
+        try:
+            os.nice(inc)
+        except OSError:
+            pass
+
+
+def pin_cpu(cpu: int | None) -> None:
+    """Keeps the calling process on ``cpu`` (None, or a CPU it may not use: no-op)."""
+    if cpu is not None:
+        try:
+            os.sched_setaffinity(0, {cpu})
+        except (AttributeError, OSError):
+            pass
+
+
+def sleep_until(t: float) -> None:
+    while True:
+        d = t - time.monotonic()
+        if d <= 0:
+            return
+        time.sleep(d)
+
+
+def mono_at(wall: float) -> float:
+    """A wall-clock instant (time.time()) on the monotonic clock."""
+    return time.monotonic() + (wall - time.time())
 
 
 # --------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The demo's traffic: each stream in its own process, inside a testbed node.
 
     voice   UDP, one 200-byte MMH frame (modality audio, AUDIO_BITRATE TLV)
-            every 10 ms
+            every 10 ms (the sender and its TX timestamps: ``voice.py``)
     video   UDP flood of ~1400-byte MMH frames (modality video, VIDEO_FPS TLV),
             paced at ``flood_factor`` x the link rate from a socket with a
             multi-megabyte send buffer, so that the uplink queue really fills
@@ -22,17 +22,15 @@ lost.
 from __future__ import annotations
 
 import array
-import dataclasses
 import errno
 import math
-import os
 import socket
 import time
 from typing import Any
 
 from .._abi import MMH_PREAMBLE_LEN
 from .._errors import WireError
-from ..wire import decode_header, encode_header
+from ..wire import decode_header
 from .streams import (
     LIDAR_PORT,
     SO_RCVBUFFORCE,
@@ -45,80 +43,20 @@ from .streams import (
     TrafficSpec,
     latency_summary,
     lidar_header,
+    mono_at,
+    pin_cpu,
+    sleep_until,
     video_header,
-    voice_header,
 )
+from .streams import nice as set_nice
+from .streams import realtime as set_realtime
 from .testbed import Child, Ctl, Testbed
+from .voice import breakdown, voice_sender
 
 
 # --------------------------------------------------------------------------
 # Child processes (each runs inside a node's namespace; first argument: Ctl)
 # --------------------------------------------------------------------------
-def _realtime(enabled: bool, prio: int = 10) -> bool:
-    """Switches the calling process to SCHED_FIFO ``prio``; False if not possible."""
-    if not enabled:
-        return False
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(prio))
-    except (AttributeError, OSError):
-        return False
-    return True
-
-
-def _nice(inc: int) -> None:
-    if inc:
-        try:
-            os.nice(inc)
-        except OSError:
-            pass
-
-
-def _sleep_until(t: float) -> None:
-    while True:
-        d = t - time.monotonic()
-        if d <= 0:
-            return
-        time.sleep(d)
-
-
-def _mono_at(wall: float) -> float:
-    """A wall-clock instant (time.time()) on the monotonic clock."""
-    return time.monotonic() + (wall - time.time())
-
-
-def voice_sender(ctl: Ctl, dst: str, port: int, spec: TrafficSpec, start_wall: float,
-                 stop_wall: float) -> dict[str, Any]:
-    """One frame every ``voice_interval``, encoded with the MMH codec each time."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.connect((dst, port))
-    base = voice_header(spec)
-    hdr_len = len(encode_header(base))
-    payload = bytes(max(0, spec.voice_size - hdr_len))
-    rt = _realtime(spec.voice_realtime)
-    ctl.ready()
-    start, stop = _mono_at(start_wall), _mono_at(stop_wall)
-    sent = errors = nbytes = 0
-    seq = 0
-    while True:
-        t = start + seq * spec.voice_interval
-        if t >= stop:
-            break
-        _sleep_until(t)
-        h = dataclasses.replace(base, sequence=seq, timestamp_ns=time.time_ns(),
-                                payload_len=len(payload))
-        data = encode_header(h) + payload
-        try:
-            sock.send(data)
-            sent += 1
-            nbytes += len(data)
-        except OSError:
-            errors += 1
-        seq += 1
-    sock.close()
-    return {"sent": sent, "send_errors": errors, "bytes": nbytes, "realtime": rt,
-            "seconds": stop_wall - start_wall}
-
-
 def flood_sender(ctl: Ctl, dst: str, port: int, spec: TrafficSpec, start_wall: float,
                  stop_wall: float, sndbuf: int = 8 << 20) -> dict[str, Any]:
     """Video frames at ``flood_pps``, in small batches, never bursting to catch up."""
@@ -131,10 +69,11 @@ def flood_sender(ctl: Ctl, dst: str, port: int, spec: TrafficSpec, start_wall: f
     tpl = FrameTemplate(video_header(spec), spec.video_size)
     gap = 1.0 / spec.flood_pps
     max_lag = 0.02
-    _nice(spec.bulk_nice)
+    pin_cpu(spec.bulk_cpu)
+    set_nice(spec.bulk_nice)
     ctl.ready()
-    start, stop = _mono_at(start_wall), _mono_at(stop_wall)
-    _sleep_until(start)
+    start, stop = mono_at(start_wall), mono_at(stop_wall)
+    sleep_until(start)
     send = sock.send
     stamp = tpl.stamp
     now_ns = time.time_ns
@@ -171,15 +110,18 @@ def flood_sender(ctl: Ctl, dst: str, port: int, spec: TrafficSpec, start_wall: f
 def udp_receiver(ctl: Ctl, port: int, stop_wall: float, modality: str,
                  template: FrameTemplate | None = None, keep: bool = False,
                  rcvbuf: int = 16 << 20, realtime: bool = False,
-                 nice: int = 0, kernel_ts: bool = False) -> dict[str, Any]:
+                 nice: int = 0, kernel_ts: bool = False, cpu: int | None = None,
+                 keep_ts: bool = False) -> dict[str, Any]:
     """Counts frames, bytes and one-way latency on a UDP port until ``stop_wall``.
 
     With a ``template`` the sequence and timestamp are read at the template's
     offsets (checked); otherwise each frame is decoded with the MMH codec.
     ``kernel_ts`` also records the latency to the kernel's receive timestamp
     (SO_TIMESTAMPNS: when the packet reached the receiving node's stack), which
-    leaves out the receiver's wake-up.
+    leaves out the receiver's wake-up.  ``keep_ts`` also returns, per frame in
+    arrival order, its sequence and both receive times (for ``voice.breakdown``).
     """
+    pin_cpu(cpu)
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf)
@@ -190,8 +132,9 @@ def udp_receiver(ctl: Ctl, port: int, stop_wall: float, modality: str,
     if kernel_ts:
         sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     klat = array.array("q")
-    rt = _realtime(realtime)
-    _nice(nice)
+    rx_seq, rx_k, rx_u = array.array("q"), array.array("q"), array.array("q")
+    rt = set_realtime(realtime)
+    set_nice(nice)
     ctl.ready()
     buf = bytearray(65536)
     mv = memoryview(buf)
@@ -244,8 +187,11 @@ def udp_receiver(ctl: Ctl, port: int, stop_wall: float, modality: str,
         lat.append(t - ts)
         if kts:
             klat.append(kts - ts)
-        if seq > max_seq:
-            max_seq = seq
+        if keep_ts:
+            rx_seq.append(seq)
+            rx_k.append(kts)
+            rx_u.append(t)
+        max_seq = max(max_seq, seq)
         if not first:
             first = t
         last = t
@@ -261,6 +207,8 @@ def udp_receiver(ctl: Ctl, port: int, stop_wall: float, modality: str,
         out["latency_kernel"] = latency_summary(klat)
     if keep:
         out["latencies_ns"] = lat.tolist()
+    if keep_ts:
+        out.update(rx_seq=rx_seq.tolist(), rx_kernel_ns=rx_k.tolist(), rx_user_ns=rx_u.tolist())
     return out
 
 
@@ -268,7 +216,8 @@ def lidar_sender(ctl: Ctl, dst: str, port: int, spec: TrafficSpec, start_wall: f
                  stop_wall: float) -> dict[str, Any]:
     """One MMH frame per sweep on one TCP connection; late sweeps are skipped."""
     tpl = FrameTemplate(lidar_header(spec), spec.lidar_bytes)
-    _nice(spec.bulk_nice)
+    pin_cpu(spec.bulk_cpu)
+    set_nice(spec.bulk_nice)
     deadline = time.monotonic() + 5.0
     while True:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -281,13 +230,13 @@ def lidar_sender(ctl: Ctl, dst: str, port: int, spec: TrafficSpec, start_wall: f
                 raise
             time.sleep(0.05)
     ctl.ready()
-    start, stop = _mono_at(start_wall), _mono_at(stop_wall)
+    start, stop = mono_at(start_wall), mono_at(stop_wall)
     sent = skipped = incomplete = 0
     tick = 0
-    nticks = int(math.ceil((stop_wall - start_wall) / spec.lidar_period - 1e-9))
+    nticks = math.ceil((stop_wall - start_wall) / spec.lidar_period - 1e-9)
     while tick < nticks:
         t = start + tick * spec.lidar_period
-        _sleep_until(t)
+        sleep_until(t)
         now = time.monotonic()
         if now >= stop:
             skipped += nticks - tick
@@ -326,9 +275,10 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
 
 
 def tcp_receiver(ctl: Ctl, port: int, stop_wall: float, modality: str,
-                 keep: bool = False, nice: int = 0) -> dict[str, Any]:
+                 keep: bool = False, nice: int = 0, cpu: int | None = None) -> dict[str, Any]:
     """Reads MMH frames from one TCP connection; latency when a frame is complete."""
-    _nice(nice)
+    pin_cpu(cpu)
+    set_nice(nice)
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("0.0.0.0", port))
@@ -413,7 +363,7 @@ def _merge(tx: dict[str, Any], rx: dict[str, Any], seconds: float,
         **{k: v for k, v in rx["latency"].items()},
         **({"kernel_" + k: v for k, v in rx["latency_kernel"].items() if k != "n"}
            if "latency_kernel" in rx else {}),
-        "sender": {k: v for k, v in tx.items() if k != "seconds"},
+        "sender": {k: v for k, v in tx.items() if k != "seconds" and not isinstance(v, list)},
     }
     if scheduled is not None:
         out["scheduled"] = scheduled
@@ -447,14 +397,16 @@ def run_traffic(tb: Testbed, spec: TrafficSpec, *, keep_voice: bool = True) -> d
             rx_children["voice"] = tb.spawn(rcv.ns, "voice-rx", udp_receiver, VOICE_PORT,
                                             rx_stop, "voice", None, keep_voice,
                                             realtime=spec.voice_realtime,
-                                            kernel_ts=spec.voice_kernel_ts)
+                                            kernel_ts=spec.voice_kernel_ts, cpu=spec.voice_cpu,
+                                            keep_ts=spec.voice_tx_ts and spec.voice_kernel_ts)
         if spec.video:
             rx_children["video"] = tb.spawn(rcv.ns, "video-rx", udp_receiver, VIDEO_PORT,
                                             rx_stop, "video", video_tpl, False,
-                                            nice=spec.bulk_nice)
+                                            nice=spec.bulk_nice, cpu=spec.bulk_cpu)
         if spec.lidar:
             rx_children["lidar"] = tb.spawn(rcv.ns, "lidar-rx", tcp_receiver, LIDAR_PORT,
-                                            rx_stop, "lidar", False, nice=spec.bulk_nice)
+                                            rx_stop, "lidar", False, nice=spec.bulk_nice,
+                                            cpu=spec.bulk_cpu)
         children += rx_children.values()
         for c in rx_children.values():
             c.wait_ready(10.0)
@@ -479,12 +431,14 @@ def run_traffic(tb: Testbed, spec: TrafficSpec, *, keep_voice: bool = True) -> d
         for c in children:
             tb.reap(c)
     out: dict[str, Any] = {}
-    for name in tx_res:
-        tx, rx = tx_res[name], rx_res[name]
+    for name, tx in tx_res.items():
+        rx = rx_res[name]
         if name == "lidar":
             out[name] = _merge(tx, rx, tx["seconds"], scheduled=tx["scheduled"])
         else:
             out[name] = _merge(tx, rx, tx["seconds"])
+    if "voice" in out and (parts := breakdown(tx_res["voice"], rx_res["voice"])) is not None:
+        out["voice"]["breakdown"] = parts
     out["_timing"] = {"setup_slack_s": slack, "warmup_s": lead, "duration_s": spec.duration,
                       "drain_s": spec.drain}
     return out
