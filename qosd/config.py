@@ -7,6 +7,7 @@ missing named file is an error."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from pathlib import Path
@@ -20,6 +21,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from mmmesh._abi import SOCK_MAX_REPLICAS
 from mmmesh._net import parse_hostport
 from mmmesh.policy import Rate
 from mmmesh.policy._types import IfName
@@ -176,6 +178,117 @@ class MeshLink(BaseModel):
     rate: Rate | None = Field(default=None, description="its capacity, bit/s (tc units)")
 
 
+class SockEndpointConfig(BaseModel):
+    """One replica of a stage as the socket layer sees it: ``address:port`` is
+    replica ``replica`` (port 0: every port of the address, a pod)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str = Field(description="the replica's (pod's) own IP address")
+    port: int = Field(default=0, ge=0, le=65535, description="its listening port; 0 = any")
+    replica: int = Field(default=0, ge=0, lt=SOCK_MAX_REPLICAS,
+                         description=f"replica index 0..{SOCK_MAX_REPLICAS - 1}")
+    instance: str | None = Field(
+        default=None, min_length=1, max_length=253,
+        description="whose SLA windows speak for this replica: the instance qosd ties its "
+        "reports to (GET /v1/sla instances[].instance: unit:<name>.service, pod:<uid>/<id>, "
+        "uid:<uid>:<cgroup>, or the label root/the admin socket names); none: not judged")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        try:
+            return str(ipaddress.ip_address(v))
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IP address") from None
+
+
+class SockStageConfig(BaseModel):
+    """A stage of the mesh on this node: its name (as its sidecars report
+    it), the socket layer's number for it, its replicas' endpoints and the
+    source prefixes of its pods (the key of its stage overrides)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128, description="the stage as SLA reports "
+                      "name it (POST /v1/sla stage)")
+    id: int = Field(ge=1, le=0xFFFFFFFF, description="the socket layer's stage number")
+    endpoints: list[SockEndpointConfig] = Field(default_factory=list, max_length=64)
+    senders: list[str] | None = Field(
+        default=None, max_length=64, description="source prefixes of the stage's pods "
+        "(stage overrides); default: its endpoints' addresses")
+
+    @field_validator("senders")
+    @classmethod
+    def _prefixes(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        out = []
+        for i, p in enumerate(v):
+            try:
+                out.append(str(ipaddress.ip_network(p, strict=False)))
+            except ValueError as e:
+                raise ValueError(f"senders[{i}] {p!r}: {e}") from None
+        return out
+
+    @model_validator(mode="after")
+    def _replicas(self) -> SockStageConfig:
+        seen: dict[int, str] = {}
+        for e in self.endpoints:
+            if e.instance is not None and seen.setdefault(e.replica, e.instance) != e.instance:
+                raise ValueError(f"replica {e.replica} has two instances: "
+                                 f"{seen[e.replica]!r} and {e.instance!r}")
+        return self
+
+    def sender_prefixes(self) -> list[str]:
+        """``senders``, or the endpoints' addresses as host prefixes."""
+        if self.senders is not None:
+            return list(self.senders)
+        return sorted({str(ipaddress.ip_network(e.address)) for e in self.endpoints})
+
+
+class SocketLayerConfig(BaseModel):
+    """``socket_layer:``: the stages of this node (names, endpoints, sender
+    prefixes: qosd drives stage overrides from them whether or not the
+    socket layer is on) and the socket layer itself (sockops + SOCKHASH +
+    sk_msg, docs/socklayer.md "qosd"), off by default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(default=False, description="load (or adopt) the socket layer at "
+                          "start and drive its replica weights")
+    cgroup: str = Field(default="", max_length=4096, description="cgroup v2 of the mesh's pods: "
+                        "a path below the cgroup v2 mount (wherever it is), or absolute inside "
+                        "it; '' = the root (every socket of the node; the endpoints filter)")
+    redirect: bool = Field(default=True, description="same-node frames socket to socket "
+                           "(sk_msg redirect); false: everything over TCP, still counted")
+    all_sockets: bool = Field(default=False, description="every TCP socket of the cgroup is a "
+                              "mesh socket (refused with the root cgroup)")
+    stages: list[SockStageConfig] = Field(default_factory=list, max_length=64)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SocketLayerConfig:
+        names: set[str] = set()
+        ids: set[int] = set()
+        eps: set[tuple[str, int]] = set()
+        for i, st in enumerate(self.stages):
+            if st.name in names:
+                raise ValueError(f"stages[{i}].name {st.name!r}: used by another stage")
+            if st.id in ids:
+                raise ValueError(f"stages[{i}].id {st.id}: used by another stage")
+            names.add(st.name)
+            ids.add(st.id)
+            for j, e in enumerate(st.endpoints):
+                if (e.address, e.port) in eps:
+                    raise ValueError(f"stages[{i}].endpoints[{j}] {e.address}:{e.port}: "
+                                     "listed twice")
+                eps.add((e.address, e.port))
+        if self.all_sockets and self.cgroup.strip("/") in ("", "."):
+            raise ValueError("all_sockets needs a cgroup: on the root it would take every "
+                             "socket of the node")
+        return self
+
+
 class QosdConfig(BaseSettings):
     """Everything qosd needs to know about its node."""
 
@@ -231,6 +344,9 @@ class QosdConfig(BaseSettings):
     cluster: ClusterConfig | None = Field(
         default=None, description="the mesh's store: gossip (the peers: section, default) or "
         "etcd (cluster.etcd)")
+    socket_layer: SocketLayerConfig = Field(
+        default_factory=SocketLayerConfig, description="the stages of this node and the socket "
+        "layer (sockops + sk_msg; off by default; docs/socklayer.md \"qosd\")")
 
     @model_validator(mode="after")
     def _one_backend(self) -> QosdConfig:

@@ -10,9 +10,15 @@ controller moves a class only inside the bounds its policy allows.
 Output: when a decision changes a class's parameters, the reconciler writes
 ``effective_policy(policy, decision.classes)`` to the kernel under the same
 store version (``Reconciler.adapt``: drift repair then keeps the adapted
-values, and a new version starts from its own).  The per-stage weights are
-kept for the kernel's override map (``Dataplane`` overrides) and shown by
-``explain``.
+values, and a new version starts from its own).  Then, every window, the
+kernel side (qosd/controller_kernel.py): the stage weights become stage
+overrides (``Dataplane.set_overrides`` with the policy's adapt ranges as
+bounds, keyed by each stage's sender prefixes from qosd.yaml
+``socket_layer.stages``), and with the socket layer on, each stage's
+replicas get weights from their own reports (``ReplicaWeights``,
+``SocketLayer.set_weights``).  Both are written only when the kernel holds
+something else; a failed write is logged (rate-limited), counted and tried
+again next window, never stopping the loop.  ``explain`` shows both.
 
 The state survives a restart: it is written (atomically) to
 ``state_dir/controller.json`` after every window and taken back at start if
@@ -45,6 +51,8 @@ from mmmesh.controller import (
 )
 from mmmesh.controller._explain import render
 
+from .controller_kernel import KernelWriter, render_kernel
+
 log = logging.getLogger("qosd.controller")
 
 STATE_FILE = "controller.json"
@@ -63,6 +71,7 @@ class SlaController:
         self.note = ""
         self.law = Law(period_s=float(service.cfg.sla_controller_period_s))
         self.enabled = bool(getattr(service.cfg, "sla_controller_enabled", True))
+        self.kernel = KernelWriter(service, self.law)
 
     @property
     def period_s(self) -> float:
@@ -122,6 +131,7 @@ class SlaController:
                 except MeshError as e:
                     log.error("SLA controller: writing window %d failed: %s",
                               decision.window, e)
+            self.kernel.write(self._version, decision, now)
             try:
                 write_atomic(self.path, json.dumps(ctrl.snapshot()), mode=0o600)
             except OSError as e:
@@ -138,7 +148,8 @@ class SlaController:
                 return None
             data = self._ctrl.explain()
             data["note"] = self.note
-            data["text"] = render(data)
+            data["kernel"] = self.kernel.explain()
+            data["text"] = render(data) + render_kernel(data["kernel"])
             return data
 
     def _explain_disabled(self) -> dict[str, Any] | None:

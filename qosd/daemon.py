@@ -150,7 +150,7 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
         SLA_MAX_CONNECTIONS,
         ApiServer,
     )
-    from .metrics import SlaBoardCollector, Target, make_registry
+    from .metrics import SlaBoardCollector, SocketLayerCollector, Target, make_registry
     from .service import QosdService
 
     service_box: dict[str, Any] = {}
@@ -167,6 +167,7 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
                                        resync_interval_s=cfg.resync_interval_s)
     svc = QosdService(cfg, metrics=qmetrics)
     registry.register(SlaBoardCollector(svc.sla_board))
+    registry.register(SocketLayerCollector(svc.socket_layer, svc.sla_controller.kernel))
     service_box["svc"] = svc
     for problem in svc.store.problems:
         log.error("policy store: %s", problem)
@@ -181,6 +182,10 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
         log.info("dataplane %s for policy version %d in %.0f ms",
                  "adopted" if svc.reconciler.adopted else "loaded", res.version,
                  (time.monotonic() - t0) * 1000)
+
+    # load or adopt (a failure is retried at every resync); disabled: a layer
+    # still pinned on the configured cgroup is taken down
+    await run_in_threadpool(svc.socket_layer.start)
 
     from .clusterstore import start_cluster_store  # gossip (peers:) or etcd (cluster.etcd)
     store = await start_cluster_store(cfg, svc, registry)  # None: this node runs alone
@@ -226,7 +231,7 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=cfg.resync_interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             if stop.is_set():
                 return
@@ -234,7 +239,7 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
                 await run_in_threadpool(svc.resync)
                 if qmetrics is not None:
                     qmetrics.resync_ran()  # the heartbeat, drift or not
-            except Exception as e:  # keep the loop alive, report
+            except Exception as e:  # noqa: BLE001 - keep the loop alive, report
                 log.error("resync failed: %s", e)
 
     async def controller_loop() -> None:
@@ -242,7 +247,7 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=svc.sla_controller.period_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             if stop.is_set():
                 return
@@ -290,11 +295,19 @@ def cleanup(cfg: QosdConfig) -> int:
     except MeshError as e:
         log.warning("policy store: %s", e)
     Reconciler(cfg).cleanup(sorted(devices))
+    sock = ""
+    from .socklayer import SocketLayerHost
+
+    try:  # enabled or not: what qosd.yaml's cgroup holds pinned
+        if SocketLayerHost(cfg.socket_layer).down():
+            sock = f"; the socket layer from cgroup {cfg.socket_layer.cgroup or '/'}"
+    except MeshError as e:
+        log.warning("socket layer: %s", e)
     try:
         cfg.api_socket.unlink()
     except FileNotFoundError:
         pass
-    print(f"qosd: removed mmmesh from {', '.join(sorted(devices)) or 'no devices'}")
+    print(f"qosd: removed mmmesh from {', '.join(sorted(devices)) or 'no devices'}{sock}")
     return 0
 
 
@@ -307,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         cfg = load_config(a.config)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any bad config is exit 2 with its message
         print(f"qosd: bad configuration: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(

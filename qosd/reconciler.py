@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from mmmesh._errors import DataplaneError, MeshError
-from mmmesh.dataplane import Dataplane, link_exists
+from mmmesh.dataplane import Dataplane, FlowOverride, Overrides, StageOverride, link_exists
 from mmmesh.policy import Policy
 
 from .config import QosdConfig
@@ -28,6 +28,14 @@ from .errors import UnrealizableError
 from .model import PolicyVersion, ReconcileResult
 
 log = logging.getLogger("qosd.reconciler")
+
+
+def override_key(o: StageOverride | FlowOverride) -> tuple[object, ...]:
+    """What tells two overrides apart for the controller: the class, the key
+    and the weight (a priority left to the class is filled in by the kernel)."""
+    where: tuple[object, ...] = ((o.prefix,) if isinstance(o, StageOverride)
+                                 else (o.src, o.sport, o.dst, o.dport, o.proto))
+    return (type(o).__name__, o.cls, *where, o.boost.weight)
 
 
 class Reconciler:
@@ -68,6 +76,25 @@ class Reconciler:
             self._adapted = (version, effective) if effective is not None else None
             return self.apply(good, "adapt")
 
+    def set_overrides(self, version: int, overrides: Overrides) -> bool | None:
+        """The SLA controller's stage overrides for ``version``: written when
+        the kernel holds another set (True), left when it holds this one
+        (False); None when ``version`` is not the last good one.  Boosts are
+        checked against the version's own policy (its adapt ranges) and split
+        the classes as the kernel holds them (``kernel_policy``)."""
+        with self._lock:
+            good = self._last_good
+            if good is None or good.version != version:
+                return None
+            dp = self.dataplane(good.policy.link.device)
+            applied = self.kernel_policy(good)
+            have = {override_key(e.override) for e in dp.overrides(applied)}
+            want = {override_key(o) for o in (*overrides.stages, *overrides.flows)}
+            if have == want:
+                return False
+            dp.set_overrides(overrides, applied, bounds=good.policy)
+            return True
+
     def dataplane(self, device: str) -> Dataplane:
         return Dataplane(device, self.cfg.netns)
 
@@ -77,8 +104,8 @@ class Reconciler:
         errors: list[tuple[str, str]] = []
         dev = policy.link.device
         if self.cfg.uplinks and dev not in self.cfg.uplinks:
-            errors.append(("link.device", f"{dev!r} is not an uplink of this node "
-                                          f"(uplinks: {', '.join(self.cfg.uplinks)})"))
+            errors.append(("link.device", (f"{dev!r} is not an uplink of this node "
+                                           f"(uplinks: {', '.join(self.cfg.uplinks)})")))
         else:
             try:
                 if not link_exists(dev, self.cfg.netns):
@@ -88,8 +115,8 @@ class Reconciler:
                 errors.append(("link.device", str(e)))
         total = sum(int(c.rate) for c in policy.classes)
         if total > int(policy.link.rate):  # the schema refuses this too; be sure
-            errors.append(("classes", f"guarantees {total} bit/s exceed the link "
-                                      f"rate {int(policy.link.rate)} bit/s"))
+            errors.append(("classes", (f"guarantees {total} bit/s exceed the link "
+                                       f"rate {int(policy.link.rate)} bit/s")))
         if errors:
             raise UnrealizableError(errors)
 

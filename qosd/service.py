@@ -46,6 +46,9 @@ class QosdService:
         self._flow_lock = threading.Lock()
         self.sla_senders = SenderResolver()
         from .controller import SlaController
+        from .socklayer import SocketLayerHost
+
+        self.socket_layer = SocketLayerHost(cfg.socket_layer)  # off unless socket_layer.enabled
 
         self.sla_controller = SlaController(self)
         self.sla_board = SlaBoard(cfg.sla_limits, cfg.sla_reporters)
@@ -97,6 +100,7 @@ class QosdService:
         return res
 
     def resync(self) -> ReconcileResult | None:
+        self.socket_layer.ensure()  # up again if it failed, was unpinned or detached
         if self.reconciler.last_good is None and (
                 self.store.current() is not None or self.cfg.initial_policy is not None):
             try:
@@ -223,6 +227,8 @@ class QosdService:
             "sla": self.sla(),  # {"instances", "stages", "classes"}
             # {"backend", "up", ...} (qosd/clusterstore); None: this node runs alone
             "cluster": self.cluster_store.status() if self.cluster_store is not None else None,
+            # {"enabled", "cgroup", "loaded", "attached", "prog_ids", ...} (qosd/socklayer.py)
+            "socket_layer": self.socket_layer.status(),
         }
 
     def top_flows(self, n: int = 20) -> list[FlowRow]:

@@ -15,7 +15,8 @@ The law and its constants are :class:`Law` (``_law.py``, the same table as
 docs/controller.md); the rate budget is ``_budget.py``; the state machine
 ``_core.py``; the persisted form ``_state.py`` / ``_persist.py``; the
 explanation ``_explain.py``.  :mod:`mmmesh.controller.sim` runs the loop
-against a fluid model of a shared link.
+against a fluid model of a shared link.  :class:`ReplicaWeights` (``_replicas.py``)
+shares a stage's frames among its replicas for the socket layer.
 """
 
 from ._core import Controller
@@ -24,6 +25,7 @@ from ._inputs import Measure, SlaInput, from_board, from_cluster
 from ._law import Judgement, Law, Verdict, judge
 from ._params import ClassSpec, Decision, Params, effective_policy
 from ._persist import policy_digest
+from ._replicas import ReplicaLaw, ReplicaWeights, judge_replica, replica_measures
 from ._state import Record
 
 __all__ = [
@@ -35,12 +37,16 @@ __all__ = [
     "Measure",
     "Params",
     "Record",
+    "ReplicaLaw",
+    "ReplicaWeights",
     "SlaInput",
     "Verdict",
     "effective_policy",
     "from_board",
     "from_cluster",
     "judge",
+    "judge_replica",
     "policy_digest",
     "render",
+    "replica_measures",
 ]

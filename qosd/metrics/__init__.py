@@ -24,6 +24,13 @@ scrape's ``instance`` label, which tells the nodes apart)::
     mmmesh_sla_reports_accepted_total, mmmesh_sla_reports_refused_total{code}
     mmmesh_sla_board_evictions_total{cause}, mmmesh_sla_board_skipped_reads_total
 
+    socket layer and the controller's kernel writes (_socklayer.py; mmmesh_socklayer_* only
+    with socket_layer.enabled)
+    mmmesh_socklayer_up, mmmesh_socklayer_flows, mmmesh_socklayer_endpoints
+    mmmesh_socklayer_modality_{frames,bytes}_total{modality}   node-wide, from sk_msg
+    mmmesh_socklayer_events_total{event}, mmmesh_socklayer_replica_weight{stage,replica}
+    mmmesh_controller_kernel_writes_total{target,result}  overrides|replica_weights x ok|error
+
     qosd (_own.py)
     mmmesh_build_info{version,abi,bpf_build,python,node} 1
     mmmesh_policy_version, mmmesh_reconciles_total{trigger}, mmmesh_reconcile_errors_total,
@@ -68,6 +75,7 @@ from ._dataplane import (
 from ._http import MetricsServer, iter_samples, serve_metrics
 from ._own import ADOPTION_RESULTS, QOSD_METRICS, RECONCILE_TRIGGERS, QosdMetrics
 from ._sla import SLA_METRICS, BoardReader, SlaBoardCollector
+from ._socklayer import SOCKLAYER_METRICS, SocketLayerCollector
 from ._spec import sample_names
 
 PROCESS_METRICS = ("process_resident_memory_bytes", "process_open_fds", "process_max_fds",
@@ -79,7 +87,7 @@ def exported_names(cluster: bool = True) -> set[str]:
     ``cluster``, the mesh's too (``mmmesh_cluster_*``, ``mmmesh_rollout_*``:
     exported with a ``peers:`` section; this imports qosd.peers)."""
     names = (sample_names(DATAPLANE_METRICS) | sample_names(QOSD_METRICS)
-             | sample_names(SLA_METRICS))
+             | sample_names(SLA_METRICS) | sample_names(SOCKLAYER_METRICS))
     if cluster:
         from ._cluster import cluster_specs
 
@@ -119,6 +127,7 @@ __all__ = [
     "QOSD_METRICS",
     "RECONCILE_TRIGGERS",
     "SLA_METRICS",
+    "SOCKLAYER_METRICS",
     "BoardReader",
     "DataplaneCollector",
     "DataplaneFactory",
@@ -126,6 +135,7 @@ __all__ = [
     "MetricsServer",
     "QosdMetrics",
     "SlaBoardCollector",
+    "SocketLayerCollector",
     "Target",
     "exported_names",
     "iter_samples",

@@ -1,0 +1,232 @@
+"""The socket layer hosted by a real qosd (issue 10, item 4; docs/socklayer.md
+"qosd"): qosd.yaml ``socket_layer`` on a scratch cgroup v2 with stage asr's
+two replicas as endpoints.  qosd loads it at start (status, metrics), real
+sockets inside the cgroup are registered and their frames counted per
+modality; after kill -9 the restarted qosd adopts it (same program ids,
+same pins, the old connection still counted); stopping qosd leaves it,
+``qosd --cleanup`` removes it.  With a policy, the replicas' own SLA windows
+(admin socket, one instance label per replica) set the kernel's replica
+weights: the one that misses gets less, and frames spread over the replicas
+by those weights; a hostile uid-65534 reporter is refused and moves nothing;
+when the reports stop the weights go back to equal."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.socklayer_kit import (
+    connect,
+    frame,
+    inside,
+    listener,
+    read_frames,
+    scratch_cgroup,
+    swrr_counts,
+)
+from tests.test_controller_overrides import metric, reporting
+from tests.test_qosd import VENV_BIN, Node, policy_yaml
+from tests.test_qosd import node as node  # noqa: PLC0414 - the fixture
+from tests.test_socklayer import spread
+
+pytestmark = [pytest.mark.privileged, pytest.mark.timeout(240)]
+
+SENDER = Path(__file__).resolve().parent / "sla_sender.py"
+PERIOD_S = 1.0
+AUDIO = 4
+STAGE = 2
+
+
+class Layer:
+    """The node, its cgroup and the two replicas' listening sockets."""
+
+    def __init__(self, node: Node, path: str, rel: str, lss: list[tuple[socket.socket, int]]
+                 ) -> None:
+        self.node, self.path, self.rel, self.lss = node, path, rel, lss
+
+    def sl(self) -> Any:
+        from mmmesh.dataplane import SocketLayer
+
+        return SocketLayer(self.rel)
+
+    def status(self) -> dict[str, Any]:
+        return self.node.get("/v1/status").json()["socket_layer"]  # type: ignore[no-any-return]
+
+    def pairs(self) -> list[tuple[socket.socket, socket.socket]]:
+        """One connection to each replica, made inside the cgroup (the lanes
+        of one sender)."""
+        with inside(self.path):
+            return [connect(ls, port) for ls, port in self.lss]
+
+
+@pytest.fixture()
+def layer(node: Node) -> Iterator[Layer]:
+    from mmmesh.dataplane import SocketLayer
+
+    run = Path(tempfile.mkdtemp(prefix="mmmesh-slq-"))  # sla.sock reachable by nobody
+    run.chmod(0o755)
+    with scratch_cgroup("qosd") as (path, rel):
+        with inside(path):  # accepted sockets belong to their listener's cgroup
+            lss = [listener() for _ in range(2)]
+        cfg = yaml.safe_load(node.cfg.read_text())
+        cfg.update(sla_socket=str(run / "sla.sock"), sla_controller_period_s=PERIOD_S,
+                   sla_limits={"sender_rate": 20.0, "sender_burst": 100},
+                   socket_layer={"enabled": True, "cgroup": rel, "stages": [{
+                       "name": "asr", "id": STAGE, "endpoints": [
+                           {"address": "127.0.0.1", "port": p, "replica": r,
+                            "instance": f"asr-{r}"} for r, (_, p) in enumerate(lss)]}]})
+        node.cfg.write_text(yaml.safe_dump(cfg))
+        try:
+            yield Layer(node, path, rel, lss)
+        finally:
+            node.stop(signal.SIGKILL)
+            for ls, _ in lss:
+                ls.close()
+            SocketLayer(rel).down()
+            shutil.rmtree(run, ignore_errors=True)
+
+
+def test_loaded_adopted_after_kill9_left_on_stop_removed_by_cleanup(layer: Layer) -> None:
+    node = layer.node
+    node.start()
+    st = layer.status()
+    assert st["enabled"] and st["loaded"] and st["adopted"] is False, st
+    assert st["attached"] == {"sockops": True, "sk_msg": True}, st
+    assert st["endpoints"] == 2 and st["redirect"] is True and st["register"] is True
+    ids = st["prog_ids"]
+    assert set(ids) == {"sockops", "sk_msg"} and all(ids.values())
+    pin_dir = st["pin_dir"]
+    pins = sorted(os.listdir(pin_dir))
+
+    # real sockets in the cgroup: registered, their frames counted per modality
+    (c, s), _ = layer.pairs()
+    for i in range(3):
+        c.sendall(frame(AUDIO, 200, seq=i))
+    assert [h.sequence for h, _ in read_frames(s, 3)] == [0, 1, 2]
+    st = layer.status()
+    assert st["flows"] >= 2 and st["modalities"]["audio"]["frames"] >= 3, st
+    assert metric(node, "mmmesh_socklayer_up") == 1
+    assert (metric(node, "mmmesh_socklayer_modality_frames_total", modality="audio") or 0) >= 3
+    assert (metric(node, "mmmesh_socklayer_events_total", event="registered") or 0) >= 2
+
+    # kill -9: the layer runs on; the next qosd adopts it
+    node.stop(signal.SIGKILL)
+    c.sendall(frame(AUDIO, 200, seq=3))
+    assert [h.sequence for h, _ in read_frames(s, 1)] == [3]
+    node.start()
+    st = layer.status()
+    assert st["adopted"] is True and st["prog_ids"] == ids, st
+    assert st["pin_dir"] == pin_dir and sorted(os.listdir(pin_dir)) == pins
+    c.sendall(frame(AUDIO, 200, seq=4))
+    assert [h.sequence for h, _ in read_frames(s, 1)] == [4]
+    assert layer.status()["modalities"]["audio"]["frames"] >= 5  # the same counters
+
+    # stop: left as it is; --cleanup removes it
+    node.stop()
+    assert layer.sl().loaded()
+    out = subprocess.run([str(VENV_BIN / "qosd"), "--config", str(node.cfg), "--cleanup"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "socket layer" in out, out
+    assert not layer.sl().loaded() and not os.path.exists(pin_dir)
+    c.sendall(frame(AUDIO, 200, seq=5))  # the connection goes on over TCP
+    assert [h.sequence for h, _ in read_frames(s, 1)] == [5]
+    c.close()
+    s.close()
+
+
+def windows(replica: int, attainment: float, p99: float) -> dict[str, Any]:
+    from mmmesh.slasketch import encode_sketch, new_sketch
+
+    sk = new_sketch()
+    sk.add(p99, 500)
+    return {"stage": "asr", "instance": f"asr-{replica}", "reports": [{
+        "sla_class": "voice", "modality": "audio", "window_s": PERIOD_S, "frames": 500,
+        "deadline_misses": int(500 * (1 - attainment)), "drops": 0, "errors": 0,
+        "attainment": attainment, "sketch_e2e": encode_sketch(sk)}]}
+
+
+def kernel_weights(layer: Layer) -> tuple[int, ...] | None:
+    w = layer.sl().weights().get(STAGE)
+    return None if w is None else w[:2]
+
+
+def wait_for(pred: Any, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(PERIOD_S / 4)
+    return bool(pred())
+
+
+def test_replica_weights_follow_the_replicas_reports(layer: Layer) -> None:
+    node = layer.node
+    node.start()
+    assert node.put_policy(policy_yaml()).status_code == 200
+    assert wait_for(lambda: kernel_weights(layer) == (100, 100), 10)  # equal, written once
+    pairs = layer.pairs()
+
+    # a hostile local process fakes replica 1's misses: refused, nothing moves
+    sla_sock = yaml.safe_load(node.cfg.read_text())["sla_socket"]
+    hostile = subprocess.run(
+        [sys.executable, str(SENDER), sla_sock, "post", "--uid", "65534", "--count", "8",
+         "--body", json.dumps(windows(1, 0.1, 900.0))],
+        capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(hostile.stdout)["status"] == {"403": 8}, hostile.stdout
+    time.sleep(3 * PERIOD_S)
+    assert kernel_weights(layer) == (100, 100)
+
+    # replica 0 misses, replica 1 keeps voice's objective: replica 0 is cut to the floor
+    with reporting(node, windows(0, 0.5, 300.0), windows(1, 1.0, 30.0)):
+        assert wait_for(lambda: kernel_weights(layer) == (25, 100), 30), (
+            kernel_weights(layer), node.ctl("sla", "explain").stdout[-1500:])
+    doc = json.loads(node.ctl("sla", "explain", "-o", "json", check=True).stdout)
+    reps = doc["kernel"]["replicas"]["asr"]
+    assert reps["stage_id"] == STAGE and reps["kernel"] == [25, 100], reps
+    r0 = reps["replicas"][0]
+    assert r0["weight"] == 25 and r0["verdict"] in ("miss", "no data"), r0
+    assert any("missed 2 windows while replica(s) 1 did not" in h["why"]
+               for h in r0["history"]), r0
+    text = node.ctl("sla", "explain", check=True).stdout
+    assert "replica weights of asr (stage 2)" in text and "replica 0: weight 25" in text, text
+    assert metric(node, "mmmesh_socklayer_replica_weight", stage="asr", replica="0") == 25
+    assert (metric(node, "mmmesh_controller_kernel_writes_total", target="replica_weights",
+                   result="ok") or 0) >= 2
+    assert layer.status()["weights"][str(STAGE)][:2] == [25, 100]
+
+    # the kernel spreads one sender's frames over the replicas by those weights
+    lead = pairs[0][0]
+    n = 1000
+    got = spread(lead, [s for _, s in pairs], [frame(AUDIO, 64, seq=i) for i in range(n)])
+    assert [len(g) for g in got] == swrr_counts([25, 100], n) == [200, 800]
+
+    # no more reports: back to equal
+    assert wait_for(lambda: kernel_weights(layer) == (100, 100), 20), node.log()
+    for c, s in pairs:
+        c.close()
+        s.close()
+
+
+def test_bad_socket_layer_config_names_the_field(tmp_path: Path) -> None:
+    cfg = tmp_path / "qosd.yaml"
+    cfg.write_text(yaml.safe_dump({"state_dir": str(tmp_path), "socket_layer": {
+        "enabled": True, "stages": [{"name": "asr", "id": 2, "endpoints": [
+            {"address": "10.1.0.7", "port": 7000, "replica": 9}]}]}}))
+    r = subprocess.run([str(VENV_BIN / "qosd"), "--config", str(cfg)], check=False,
+                       capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    assert "socket_layer.stages.0.endpoints.0.replica" in r.stderr, r.stderr
