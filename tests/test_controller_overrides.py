@@ -240,3 +240,31 @@ def _classify_checks(ovr: Any) -> None:
     assert hit.class_ == miss.class_ == "voice"
     assert hit.boosted and not miss.boosted
     assert hit.priority != miss.priority == VOICE.classid
+
+
+def test_a_failed_kernel_write_is_counted_and_never_raises(tmp_path: Path) -> None:
+    """The writer on a real service whose last good version names a device
+    without a dataplane: every write fails, is counted and shown, and
+    ``write`` returns (the controller's loop goes on)."""
+    from mmmesh.controller import Decision, Law
+    from mmmesh.policy import parse_policy
+    from qosd.config import QosdConfig
+    from qosd.controller_kernel import KernelWriter, render_kernel
+    from qosd.service import QosdService
+
+    cfg = QosdConfig(state_dir=tmp_path, socket_layer={"stages": [
+        {"name": "asr", "id": 2, "senders": [ASR_PREFIX]}]})
+    svc = QosdService(cfg)
+    pv = svc.store.activate(svc.store.prepare(parse_policy(policy_yaml("mmq-none0"))))
+    svc.reconciler._last_good = pv  # as if applied: the device has no dataplane
+    kw = KernelWriter(svc, Law(period_s=PERIOD_S))
+    decision = Decision(0, {}, {"voice": {"asr": 5}}, (), False)
+    for i in range(3):
+        kw.write(pv.version, decision, 1000.0 + i)
+    assert kw.counts[("overrides", "error")] == 3 and kw.counts[("overrides", "ok")] == 0
+    k = kw.explain()
+    assert k["stage_overrides"] == [{"class": "voice", "prefix": ASR_PREFIX, "weight": 5}]
+    assert "mmq-none0" in k["last_error"]["overrides"], k
+    assert "last overrides error" in render_kernel(k)
+    kw.write(pv.version + 1, decision, 1004.0)  # not the kernel's version: nothing tried
+    assert kw.counts[("overrides", "error")] == 3

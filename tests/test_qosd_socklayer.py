@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
+from qosd.metrics import SOCKLAYER_METRICS, exported_names
 from tests.socklayer_kit import (
     connect,
     frame,
@@ -158,6 +159,15 @@ def windows(replica: int, attainment: float, p99: float) -> dict[str, Any]:
         "attainment": attainment, "sketch_e2e": encode_sketch(sk)}]}
 
 
+def scraped_names(node: Node) -> set[str]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    addr = yaml.safe_load(node.cfg.read_text())["metrics_addr"]
+    text = httpx.get(f"http://{addr}/metrics", timeout=10).text
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
 def kernel_weights(layer: Layer) -> tuple[int, ...] | None:
     w = layer.sl().weights().get(STAGE)
     return None if w is None else w[:2]
@@ -212,6 +222,10 @@ def test_replica_weights_follow_the_replicas_reports(layer: Layer) -> None:
     n = 1000
     got = spread(lead, [s for _, s in pairs], [frame(AUDIO, 64, seq=i) for i in range(n)])
     assert [len(g) for g in got] == swrr_counts([25, 100], n) == [200, 800]
+    names = scraped_names(node)  # frames went by: every family has samples
+    assert set(SOCKLAYER_METRICS) <= names  # the whole table, as exported
+    extra = {n for n in names if n.startswith("mmmesh_")} - exported_names(cluster=False)
+    assert not extra, sorted(extra)
 
     # no more reports: back to equal
     assert wait_for(lambda: kernel_weights(layer) == (100, 100), 20), node.log()
