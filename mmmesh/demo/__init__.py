@@ -11,6 +11,11 @@
     pipeline_procs.py  its child processes (sidecars, sensors, collector, flood)
     pipeline_mesh.py   a qosd per node, joined as a mesh (mTLS), the global SLA view
     pipeline_cli.py  ``mmmesh demo --pipeline``: arguments and the table
+    closed_loop.py   ``mmmesh demo --closed-loop``: the SLA controller off vs on
+    closed_loop_flood.py    its video flood (UDP segmentation offload), reported to qosd
+    closed_loop_observe.py  what it watches: stage windows, HTB classes, the controller
+    closed_loop_report.py   its figures (settle, oscillations, max step), table and plot
+    closed_loop_cli.py      its arguments and output
     _cli.py      ``mmmesh demo``
 
 Everything here needs root; nothing outside the namespaces the testbed

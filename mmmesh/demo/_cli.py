@@ -61,10 +61,22 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="--pipeline: one qosd per node, joined as a mesh; ends with the "
                              "global SLA view, mmmeshctl cluster sla (default; --no-mesh: "
                              "without qosd)")
+    parser.add_argument("--closed-loop", action="store_true",
+                        help="the SLA controller in a closed loop: the pipeline under a video "
+                             "flood with a policy that under-provisions voice, controller off "
+                             "then on, window by window (table, closed-loop.json, "
+                             "closed-loop.png; docs/controller.md)")
+    from .closed_loop_cli import add_arguments as closed_loop_arguments
+
+    closed_loop_arguments(parser)
     parser.set_defaults(func=_run)
 
 
 def _run(a: argparse.Namespace) -> int:
+    if a.closed_loop:
+        from .closed_loop_cli import run_from_args as closed_loop
+
+        return closed_loop(a)
     if a.pipeline:
         from .pipeline_cli import run_from_args
 

@@ -97,6 +97,12 @@ class PipelineConfig:
     exact_ticks: int = 0  # > 0: that many ticks of exact seeded data (tests), else cycled
     phases: tuple[str, ...] = ("off", "on")  # "off", "on", "none" (unshaped)
     mesh: bool = True  # one qosd per node, joined as a mesh (pipeline_mesh.py)
+    report_interval_s: float = REPORT_ONCE_S  # the stages' SLA window (reported to qosd)
+    per_tick: tuple[tuple[str, int], ...] = ()  # SourceSpec.per_tick: e.g. (("audio", 5),)
+    # modalities whose path runs under SCHED_FIFO: the sensor in a process of
+    # its own and the edge stage it feeds (as audio stacks run audio threads)
+    realtime: tuple[str, ...] = ()
+    setup_s: float = 1.5  # forking, imports, ONNX sessions, connections before t0
     deadlines_ms: dict[str, float] = field(
         default_factory=lambda: {m: v[2] for m, v in MODALITIES.items()})
 
@@ -228,24 +234,32 @@ def _attainment(samples: list[tuple[str, int | None, bool, bool, bool]],
     return out
 
 
-def _stage_data(cfg: Any, node: str, sla_socket: str | None) -> dict[str, Any]:
-    """A stage's config as its child gets it: reporting to ``sla_socket`` (one
-    window, when it stops) or, without one, to no qosd at all."""
+def _stage_data(cfg: Any, node: str, sla_socket: str | None,
+                report_interval_s: float = REPORT_ONCE_S) -> dict[str, Any]:
+    """A stage's config as its child gets it: reporting to ``sla_socket`` (by
+    default one window, when it stops) or, without one, to no qosd at all."""
     data: dict[str, Any] = cfg.model_dump(mode="json")
-    data["qosd"] = {"socket": sla_socket, "report_interval_s": REPORT_ONCE_S}
+    data["qosd"] = {"socket": sla_socket, "report_interval_s": report_interval_s}
     if sla_socket:
         data["instance"] = f"{node}/{cfg.stage}"
     return data
 
 
 def run_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any],
-              keep_scores: bool = False, sla: Mapping[str, str] | None = None) -> dict[str, Any]:
+              keep_scores: bool = False, sla: Mapping[str, str] | None = None,
+              flood_child: Callable[..., dict[str, Any]] | None = None,
+              flood_args: tuple[Any, ...] = (),
+              on_t0: Callable[[float], None] | None = None) -> dict[str, Any]:
     """Starts every process of the pipeline, runs the sensors (and the flood),
     and collects what each process saw.  ``sla``: namespace -> the qosd SLA
-    socket its stages (and the sensors) report to; none: no reports."""
+    socket its stages (and the sensors) report to; none: no reports.
+    ``flood_child``: the flood's process (default ``traffic.flood_sender``),
+    called with (dst, port, spec, start, stop, *flood_args); ``on_t0``: called
+    with the phase's clock (unix seconds) before anything starts."""
     flood = cfg.flood_factor > 0 and not cfg.exact_ticks
-    setup = 1.5  # forking, imports, ONNX sessions, connections
-    t0 = time.time() + setup
+    t0 = time.time() + cfg.setup_s
+    if on_t0 is not None:
+        on_t0(t0)
     start = t0 + (cfg.warmup if flood else 0.0)
     produce_s = cfg.exact_ticks * cfg.tick_s if cfg.exact_ticks else cfg.duration
     stop = start + produce_s
@@ -259,12 +273,14 @@ def run_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any],
         collector.wait_ready(15.0)
         stages: dict[str, Child] = {}
         sla = sla or {}
+        rt_stages = {MODALITIES[m][0] for m in cfg.realtime}
         for name in ("decoder.yaml", "fusion.yaml", *EDGE_STAGES):
             node, ns = ("core", topo.core) if name in CORE_STAGES else ("edge", topo.edge)
             c = topo.spawn(ns, name.removesuffix(".yaml"), sidecar_child,
-                           _stage_data(stage_cfgs[name], node, sla.get(ns)),
+                           _stage_data(stage_cfgs[name], node, sla.get(ns),
+                                       cfg.report_interval_s),
                            end + (0.25 if name in CORE_STAGES else 0.0),
-                           name == "fusion.yaml")
+                           name == "fusion.yaml", name in rt_stages)
             kids.append(c)
             stages[name] = c
         for c in stages.values():
@@ -279,20 +295,35 @@ def run_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any],
                                              FLOOD_PORT, end)
             kids.append(extra["flood_sink"])
             extra["flood_sink"].wait_ready(10.0)
-            extra["flood"] = topo.spawn(topo.sensors, "flood", flood_sender, EDGE_ADDR,
-                                        FLOOD_PORT, fspec, t0, stop)
+            extra["flood"] = topo.spawn(topo.sensors, "flood", flood_child or flood_sender,
+                                        EDGE_ADDR, FLOOD_PORT, fspec, t0, stop, *flood_args)
             kids.append(extra["flood"])
             extra["flood"].wait_ready(10.0)
         targets = {m: f"{EDGE_ADDR}:{_port(stage_cfgs[MODALITIES[m][0]])}" for m in MODALITIES}
         spec = SourceSpec(tick_s=cfg.tick_s, exact_ticks=cfg.exact_ticks,
-                          deadlines_ms=tuple(cfg.deadlines_ms.items()))
-        sensors = topo.spawn(topo.sensors, "sensors", sensors_child, targets, spec, start, stop,
-                             sla.get(topo.sensors))
+                          deadlines_ms=tuple(cfg.deadlines_ms.items()), per_tick=cfg.per_tick)
+        rt = {m: t for m, t in targets.items() if m in cfg.realtime}
+        sensors = topo.spawn(topo.sensors, "sensors", sensors_child,
+                             {m: t for m, t in targets.items() if m not in rt}, spec, start,
+                             stop, sla.get(topo.sensors))
         kids.append(sensors)
+        rt_sensors = None
+        if rt:  # the real-time sensors in a process of their own
+            rt_sensors = topo.spawn(topo.sensors, "sensors-rt", sensors_child, rt, spec, start,
+                                    stop, sla.get(topo.sensors), "sensors-rt", True)
+            kids.append(rt_sensors)
+            rt_sensors.wait_ready(20.0)
         sensors.wait_ready(20.0)
         slack = t0 - time.time()
         wait = end - time.time() + 20.0
         src = sensors.result(wait)
+        if rt_sensors is not None:
+            more = rt_sensors.result(wait)
+            reps = [r for r in (src.pop("sla_reports", None), more.pop("sla_reports", None))
+                    if r]
+            src.update(more)
+            if reps:
+                src["sla_reports"] = {k: sum(r[k] for r in reps) for k in ("sent", "failed")}
         res = {name.removesuffix(".yaml"): c.result(wait) for name, c in stages.items()}
         ext = {k: c.result(wait) for k, c in extra.items()}
         col = collector.result(wait)
@@ -309,6 +340,7 @@ def run_phase(topo: Topology, cfg: PipelineConfig, stage_cfgs: dict[str, Any],
         "stages": {k: {"clean": v["clean"], "counters": v["counters"]} for k, v in res.items()},
         "results": _results_summary(col["rows"]),
         "setup_slack_s": slack,
+        "t0": t0,  # when the flood (if any) starts: the phase's clock, unix seconds
     }
     if keep_scores:
         out["results"]["rows"] = col["rows"]

@@ -100,11 +100,14 @@ class PipelineMesh:
     """qosd on every node of the demo's topology; a context manager."""
 
     def __init__(self, nodes: list[tuple[str, str, str]], root: Path,
-                 protocol: dict[str, float] | None = None) -> None:
+                 protocol: dict[str, float] | None = None,
+                 config: dict[str, Any] | None = None) -> None:
         """``nodes``: (node id, namespace, address) each; ``root``: a directory
-        of the run (certificates, configs, sockets, state, logs)."""
+        of the run (certificates, configs, sockets, state, logs); ``config``:
+        more qosd.yaml fields for every node (e.g. the SLA controller's)."""
         self.root = root
         self.protocol = dict(PROTOCOL if protocol is None else protocol)
+        self.config = dict(config or {})
         self.nodes = {name: QosdNode(name, ns, addr, root / name) for name, ns, addr in nodes}
 
     def __enter__(self) -> Self:
@@ -144,6 +147,7 @@ class PipelineMesh:
                           "ca_file": str(certs / "ca.pem"),
                           "rejoin_interval_s": 1.0, "leave_timeout_s": 1.0,
                           "protocol": self.protocol},
+                **self.config,
             }))
 
     def start(self) -> None:
@@ -272,10 +276,12 @@ class PipelineMesh:
 
 
 def start_mesh(nodes: list[tuple[str, str, str]], root: Path,
-               progress: Callable[[str], None]) -> PipelineMesh:
+               progress: Callable[[str], None], protocol: dict[str, float] | None = None,
+               config: dict[str, Any] | None = None) -> PipelineMesh:
     """A started mesh of ``nodes`` whose members all see each other (stopped
-    again if it does not get there)."""
-    mesh = PipelineMesh(nodes, root)
+    again if it does not get there); ``protocol``, ``config``: as for
+    :class:`PipelineMesh`."""
+    mesh = PipelineMesh(nodes, root, protocol, config)
     try:
         mesh.start()
         took = mesh.wait_joined()

@@ -15,6 +15,7 @@ says ready, and stops by itself at a wall-clock deadline.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sys
 import time
@@ -43,6 +44,16 @@ def examples_importable() -> None:
     """Puts the source tree on sys.path so ``examples.pipeline`` imports."""
     if (EXAMPLE_DIR / "stages.py").is_file() and str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
+
+
+def realtime(prio: int = 10) -> bool:
+    """Switches the calling process to SCHED_FIFO ``prio`` (as audio stacks run
+    their audio threads, e.g. through rtkit); False where it is not allowed."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(prio))
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 def _run_async(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -81,9 +92,12 @@ class _Tee:
 
 
 def sidecar_child(ctl: Ctl, cfg_data: dict[str, Any], stop_wall: float,
-                  keep_samples: bool = False) -> dict[str, Any]:
+                  keep_samples: bool = False, rt: bool = False) -> dict[str, Any]:
     """One stage's sidecar until ``stop_wall``, then a short drain (and, with
-    ``qosd.socket`` set, its SLA window reported to that qosd)."""
+    ``qosd.socket`` set, its SLA window reported to that qosd); ``rt``: under
+    SCHED_FIFO (:func:`realtime`)."""
+    if rt:
+        realtime()
     examples_importable()
     from examples.pipeline.stages import make_runner
     from sidecar.config import SidecarConfig
@@ -160,6 +174,12 @@ class SourceSpec:
     cycle: int = 4  # else: this many precomputed items per sensor, cycled
     deadlines_ms: tuple[tuple[str, float], ...] = (("audio", 50.0), ("video", 200.0),
                                                    ("lidar", 150.0))
+    per_tick: tuple[tuple[str, int], ...] = ()  # items per tick of a modality (default 1),
+    # evenly spaced, all with the tick's sequence (fusion aligns on it): e.g. audio 5,
+    # a 50 ms chunk every 10 ms, as a streaming speech front end hops
+
+    def items_per_tick(self, m: str) -> int:
+        return max(1, dict(self.per_tick).get(m, 1))
 
 
 class _SensorSla:
@@ -201,12 +221,15 @@ class _SensorSla:
 
 def sensors_child(ctl: Ctl, targets: dict[str, str], spec: SourceSpec, start_wall: float,
                   stop_wall: float, sla_socket: str | None = None,
-                  node: str = "sensors") -> dict[str, Any]:
+                  node: str = "sensors", rt: bool = False) -> dict[str, Any]:
     """Camera, microphone and LiDAR: one item per tick each, sent with the
     sidecar's FrameSender (zero-copy) to the edge encoders.  A sensor that
     falls behind its schedule (its uplink is backed up) skips ticks, as a
     driver drops frames; skipped ticks count as produced and missed.  With
-    ``sla_socket``: the window reported there at the end (:class:`_SensorSla`)."""
+    ``sla_socket``: the window reported there at the end (:class:`_SensorSla`).
+    ``rt``: under SCHED_FIFO (:func:`realtime`), e.g. a microphone alone."""
+    if rt:
+        realtime()
     examples_importable()
     from examples.pipeline import stages
     from mmmesh.wire import Header
@@ -244,9 +267,10 @@ def sensors_child(ctl: Ctl, targets: dict[str, str], spec: SourceSpec, start_wal
         async def sensor(m: str) -> None:
             s, st = senders[m], stats[m]
             modality = MODALITIES[m][1]
-            tick = 0
+            per = spec.items_per_tick(m)
+            item = 0
             while True:
-                t = start + tick * spec.tick_s
+                tick, t = item // per, start + item * spec.tick_s / per
                 if spec.exact_ticks and tick >= spec.exact_ticks:
                     break
                 if not spec.exact_ticks and t >= stop:
@@ -257,7 +281,7 @@ def sensors_child(ctl: Ctl, targets: dict[str, str], spec: SourceSpec, start_wal
                 elif now - t > spec.tick_s and not spec.exact_ticks:  # behind: skip this tick
                     st["produced"] += 1
                     st["skipped"] += 1
-                    tick += 1
+                    item += 1
                     if sla is not None:
                         sla.record(m, None, deadlines[m])
                     continue
@@ -271,7 +295,7 @@ def sensors_child(ctl: Ctl, targets: dict[str, str], spec: SourceSpec, start_wal
                 st["sent"] += 1
                 if sla is not None:
                     sla.record(m, ts, deadlines[m])
-                tick += 1
+                item += 1
 
         await asyncio.gather(*(sensor(m) for m in targets))
         for s in senders.values():
@@ -300,4 +324,5 @@ def flood_sink_child(ctl: Ctl, port: int, stop_wall: float) -> dict[str, Any]:
 
 
 __all__ = ["MODALITIES", "SENSORS_STAGE", "STREAM_ID", "SourceSpec", "collector_child",
-           "examples_importable", "flood_sink_child", "sensors_child", "sidecar_child"]
+           "examples_importable", "flood_sink_child", "realtime", "sensors_child",
+           "sidecar_child"]

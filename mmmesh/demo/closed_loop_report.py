@@ -1,0 +1,335 @@
+"""The closed-loop demo's figures, table and plot (:mod:`.closed_loop`).
+
+Windows are the stages' own SLA windows (one a ``window_s``), each placed in
+its run's timeline by its middle (quiet, flood, after) and numbered from 1
+within its phase; the off and on runs share the timeline, so window ``i`` of
+a phase is compared with window ``i`` of the same phase.  The parameters of a
+window are the kernel's at its end.  The figures, as the simulator's
+(``mmmesh.controller.sim``) with the kernel's changes in place of its rows:
+
+* ``settle_windows``: from the flood's start, counted from 1, the first
+  window that runs on the parameters that then hold until the flood stops
+  (the last change during the flood + 1; 1 when nothing changed);
+* ``attainment_off`` / ``attainment_on``: voice, frame-weighted over the flood
+  windows from ``settle_windows`` on (the load steady, the loop settled);
+* ``oscillations``: direction changes (up/down) of any knob of any class in
+  the controller-on run, but for the one expected of a knob the flood made
+  go up and that comes down once the flood is gone;
+* ``max_step``: the largest single change of a rate, ceil or weight as a
+  fraction of its policy value;
+* ``back_to_policy_windows``: windows from the flood's stop until every class
+  is back at the policy's values (0: it never left; None: not within the run).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from .closed_loop import STAGES, WATCH, ClosedLoopConfig
+from .closed_loop_observe import Params
+
+CLASSES = tuple(STAGES)
+KNOBS = ("rate", "ceil", "weight", "priority")
+PHASES = ("warm", "quiet", "flood", "after")
+MEASUREMENT = ("per class, the stages' SLA windows as the edge node's qosd holds them (GET "
+               "/v1/sla: audio-frontend for voice, vision-encoder for video, lidar-encoder "
+               "for lidar; latency from capture to the stage's output, attainment = share "
+               "of frames within their deadline); parameters: the kernel's HTB classes on "
+               "the uplink, through the sensors node's qosd (GET /v1/status)")
+TARGETS = {"attainment_on": (">=", 0.99), "attainment_off": ("<", 0.9),
+           "settle_windows": ("<=", 5), "oscillations": ("==", 0),
+           "back_to_policy_windows": ("<=", 10)}
+
+
+def policy_params(policy: Any) -> Params:
+    from ..policy._adapt import policy_values
+
+    return {c.name: policy_values(policy, c) for c in policy.classes}
+
+
+def same_params(kernel: dict[str, int] | None, policy: dict[str, int]) -> bool:
+    """The kernel holds the policy's values: rates and ceilings in whole bytes
+    a second (HTB's unit), weight and priority as they are."""
+    if kernel is None:
+        return False
+    for knob, v in policy.items():
+        k = kernel.get(knob)
+        if k is None:
+            return False
+        if knob in ("rate", "ceil"):
+            if int(k) // 8 != int(v) // 8:
+                return False
+        elif int(k) != int(v):
+            return False
+    return True
+
+
+def _phase_of(run: dict[str, Any], t: float) -> str | None:
+    if t < run["t0"] or t > run["end"]:
+        return None
+    if t < run["start"]:
+        return "warm"
+    return "quiet" if t < run["flood_from"] else "flood" if t < run["flood_to"] else "after"
+
+
+def _nearest(windows: list[dict[str, Any]], end: float, within: float) -> dict[str, Any] | None:
+    best = min(windows, key=lambda w: abs(w["end"] - end), default=None)
+    return best if best is not None and abs(best["end"] - end) <= within else None
+
+
+def _measure(w: dict[str, Any] | None) -> dict[str, Any] | None:
+    if w is None:
+        return None
+    att = w["attainment"]
+    return {"p99_ms": None if w["p99_ms"] is None else round(float(w["p99_ms"]), 1),
+            "attainment": None if att is None else round(float(att), 4),
+            "frames": w["frames"]}
+
+
+def rows_of(cfg: ClosedLoopConfig, run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's windows: one per voice window, with video's and LiDAR's
+    nearest windows and the kernel's parameters at its end."""
+    obs = run["observation"]
+    by_class = {c: sorted((w for w in obs.windows if w["stage"] == s and w["class"] == c),
+                          key=lambda w: w["end"]) for c, s in STAGES.items()}
+    rows: list[dict[str, Any]] = []
+    count: Counter[str] = Counter()
+    for w in by_class[WATCH]:
+        phase = _phase_of(run, w["end"] - w["window_s"] / 2)
+        if phase is None or w["window_s"] < 0.5 * cfg.window_s:
+            continue
+        count[phase] += 1
+        row: dict[str, Any] = {"phase": phase, "i": count[phase],
+                               "t": round(w["end"] - run["flood_from"], 2)}
+        for c in CLASSES:
+            near = w if c == WATCH else _nearest(by_class[c], w["end"], cfg.window_s / 2)
+            row[c] = _measure(near)
+        row["params"] = obs.params_at(w["end"])
+        row["link"] = served(obs.counters, w["end"] - w["window_s"], w["end"])
+        rows.append(row)
+    return rows
+
+
+def served(counters: list[tuple[float, int, int, int]], a: float,
+           b: float) -> dict[str, Any] | None:
+    """What the watched class's HTB leaf did between ``a`` and ``b`` (the
+    nearest samples): Mbit/s sent, packets dropped, the largest backlog."""
+    inside = [c for c in counters if a <= c[0] <= b]
+    if len(inside) < 2 or inside[-1][0] - inside[0][0] <= 0:
+        return None
+    first, last = inside[0], inside[-1]
+    return {"mbit_s": round((last[1] - first[1]) * 8 / (last[0] - first[0]) / 1e6, 3),
+            "drops": last[2] - first[2], "backlog_max": max(c[3] for c in inside)}
+
+
+def _attainment(rows: list[dict[str, Any]], first: int) -> float | None:
+    ms = [r[WATCH] for r in rows if r["phase"] == "flood" and r["i"] >= first and r[WATCH]]
+    frames = sum(m["frames"] for m in ms)
+    met = sum(m["frames"] * (m["attainment"] or 0.0) for m in ms)
+    return round(met / frames, 4) if frames else None
+
+
+def _settle(run: dict[str, Any], w: float) -> int:
+    during = [c["t"] for c in run["observation"].changes
+              if run["flood_from"] <= c["t"] < run["flood_to"]]
+    return 1 if not during else max(1, math.ceil((max(during) - run["flood_from"]) / w) + 1)
+
+
+def _oscillations(run: dict[str, Any]) -> int:
+    series: dict[tuple[str, str], list[tuple[float, int]]] = {}
+    for c in run["observation"].changes:
+        series.setdefault((c["class"], c["knob"]), []).append((c["t"], c["new"] - c["old"]))
+    osc = 0
+    for moves in series.values():
+        flips = [(b[0], b[1]) for a, b in itertools.pairwise(moves)
+                 if (a[1] > 0) != (b[1] > 0)]
+        expected = bool(flips) and moves[0][1] > 0 and flips[0][1] < 0 and \
+            flips[0][0] >= run["flood_to"]
+        osc += len(flips) - expected
+    return osc
+
+
+def _max_step(run: dict[str, Any], policy: Params) -> float:
+    steps = [abs(c["new"] - c["old"]) / policy[c["class"]][c["knob"]]
+             for c in run["observation"].changes
+             if c["knob"] != "priority" and policy.get(c["class"], {}).get(c["knob"])]
+    return round(max(steps, default=0.0), 4)
+
+
+def _back(run: dict[str, Any], policy: Params, w: float) -> int | None:
+    obs = run["observation"]
+    stop = run["flood_to"]
+
+    def at_policy(t: float) -> bool:
+        p = obs.params_at(t)
+        return all(same_params(p.get(c), v) for c, v in policy.items() if c in p)
+
+    if at_policy(stop):
+        return 0
+    for c in obs.changes:
+        if c["t"] > stop and at_policy(c["t"]):
+            return math.ceil((c["t"] - stop) / w)
+    return None
+
+
+def _decisions(explain: dict[str, Any] | None, t0: float) -> list[dict[str, Any]]:
+    out = []
+    for c in (explain or {}).get("classes") or []:
+        for d in c.get("decisions") or []:
+            out.append({"class": c["class"], "t": round(float(d["at"]) - t0, 1),
+                        "window": d["window"], "change": d["change"], "why": d["why"]})
+    return sorted(out, key=lambda d: d["t"])
+
+
+def figures(cfg: ClosedLoopConfig, policy: Any, runs: dict[str, Any]) -> dict[str, Any]:
+    """The demo's result: windows side by side, the figures, the targets."""
+    pol = policy_params(policy)
+    w = cfg.window_s
+    rows = {m: rows_of(cfg, r) for m, r in runs.items()}
+    on = runs.get("on")
+    settle = _settle(on, w) if on else None
+    out: dict[str, Any] = {
+        "version": 1, "measurement": MEASUREMENT, "watch": WATCH,
+        "objective": policy.class_named(WATCH).sla.model_dump(exclude_none=True),
+        "policy": {c: pol[c] for c in CLASSES if c in pol},
+        "adapt": policy.class_named(WATCH).adapt.model_dump(mode="json", exclude_none=True),
+        "attainment_off": _attainment(rows["off"], settle or 1) if "off" in rows else None,
+        "attainment_on": _attainment(rows["on"], settle or 1) if on else None,
+        "settle_windows": settle,
+        "oscillations": _oscillations(on) if on else None,
+        "max_step": _max_step(on, pol) if on else None,
+        "back_to_policy_windows": _back(on, pol, w) if on else None,
+    }
+    out["targets"] = {k: _meets(out.get(k), *t) for k, t in TARGETS.items()}
+    out["windows"] = _side_by_side(rows)
+    out["runs"] = {m: {"flood": r["flood"], "pipeline": r["pipeline"],
+                       "observer_errors": r["observation"].errors,
+                       "changes": [{**c, "t": round(c["t"] - r["flood_from"], 2)}
+                                   for c in r["observation"].changes],
+                       "decisions": _decisions(r["explain"], r["flood_from"]),
+                       "controller": [{**c, "t": round(c["t"] - r["flood_from"], 2)}
+                                      for c in r["observation"].controller]}
+                   for m, r in runs.items()}
+    return out
+
+
+def _meets(v: Any, op: str, target: float) -> bool | None:
+    if v is None:
+        return None
+    return {"<=": v <= target, ">=": v >= target, "<": v < target, "==": v == target}[op]
+
+
+def _side_by_side(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    out = []
+    for phase in PHASES:
+        by = {m: {r["i"]: r for r in rs if r["phase"] == phase} for m, rs in rows.items()}
+        for i in range(1, max((max(b, default=0) for b in by.values()), default=0) + 1):
+            row: dict[str, Any] = {"phase": phase, "i": i}
+            for m, b in by.items():
+                r = b.get(i)
+                row[m] = None if r is None else {
+                    "t": r["t"], **{c: r[c] for c in CLASSES},
+                    "voice_rate": r["params"].get(WATCH, {}).get("rate"),
+                    "voice_weight": r["params"].get(WATCH, {}).get("weight"),
+                    "voice_link": r["link"],
+                    "params": r["params"]}
+            out.append(row)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Table and plot
+# --------------------------------------------------------------------------
+def _f(x: Any, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    c, obj = result["config"], result["objective"]
+    head = (f"mmmesh closed-loop demo: uplink {c['rate']}, window {c['window_s']:g} s, "
+            f"voice objective p99 <= {obj.get('p99_ms', '-')} ms and attainment >= "
+            f"{obj.get('attainment', '-')}; policy {result['policy'][WATCH]['rate'] / 1e6:g} "
+            f"Mbit/s, weight {result['policy'][WATCH]['weight']}, adapt {result['adapt']}")
+    cols = (f"{'phase':<6}{'w':>3} | {'voice p99':>9}{'att':>7}{'video p99':>10} | "
+            f"{'voice p99':>9}{'att':>7}{'video p99':>10}{'rate':>8}{'weight':>7}")
+    lines = [head, "", cols, f"{'':<9} | {'controller OFF':^26} | {'controller ON':^41}"]
+    lines.append("-" * len(lines[-2]))
+    for r in result["windows"]:
+        cells = []
+        for m in ("off", "on"):
+            x = r.get(m) or {}
+            v, vid = x.get(WATCH) or {}, x.get("video") or {}
+            cells.append(f"{_f(v.get('p99_ms'), '.0f'):>9}{_f(v.get('attainment'), '.3f'):>7}"
+                         f"{_f(vid.get('p99_ms'), '.0f'):>10}")
+        on = r.get("on") or {}
+        rate = on.get("voice_rate")
+        lines.append(f"{r['phase']:<6}{r['i']:>3} | {cells[0]} | {cells[1]}"
+                     f"{_f(None if rate is None else rate / 1e6, '.2f'):>7}M"
+                     f"{_f(on.get('voice_weight'), 'd'):>7}")
+    lines.append("")
+    for d in result["runs"].get("on", {}).get("decisions", []):
+        lines.append(f"  t={d['t']:+6.1f}s {d['class']}: {d['change']}: {d['why']}")
+    figs = {k: result[k] for k in TARGETS} | {"max_step": result["max_step"]}
+    lines += ["", "  ".join(f"{k} {v}" for k, v in figs.items()),
+              "targets: " + ", ".join(f"{k} {op} {t}: {_word(result['targets'][k])}"
+                                      for k, (op, t) in TARGETS.items())]
+    return "\n".join(lines)
+
+
+def _word(ok: bool | None) -> str:
+    return "-" if ok is None else "met" if ok else "MISSED"
+
+
+def write_plot(path: str | os.PathLike[str], result: dict[str, Any]) -> Path:
+    """Voice p99, voice attainment and voice's rate per window, off vs on,
+    against time from the flood's start (shaded)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .._files import write_atomic
+
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
+    colors = {"off": "tab:red", "on": "tab:green"}
+    obj = result["objective"]
+    for m, color in colors.items():
+        pts = [r[m] for r in result["windows"] if r.get(m) and r[m].get(WATCH)]
+        ts = [p["t"] for p in pts]
+        axes[0].plot(ts, [p[WATCH]["p99_ms"] for p in pts], "o-", color=color,
+                     label=f"controller {m}")
+        axes[1].plot(ts, [p[WATCH]["attainment"] for p in pts], "o-", color=color,
+                     label=f"controller {m}")
+        axes[2].step(ts, [(p["voice_rate"] or 0) / 1e6 for p in pts], where="post",
+                     color=color, label=f"voice rate, controller {m}")
+    if obj.get("p99_ms"):
+        axes[0].axhline(obj["p99_ms"], color="gray", linestyle="--", linewidth=1)
+    if obj.get("attainment"):
+        axes[1].axhline(obj["attainment"], color="gray", linestyle="--", linewidth=1)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("voice p99 (ms, log)")
+    axes[1].set_ylabel("voice attainment")
+    axes[2].set_ylabel("voice rate (Mbit/s)")
+    axes[2].set_xlabel("seconds from the flood's start (shaded: the flood)")
+    c = result["config"]
+    span = c["flood"] * c["window_s"]
+    for ax in axes:
+        ax.axvspan(0, span, color="tab:blue", alpha=0.08)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    axes[0].set_title(f"closed loop: voice under a video flood, uplink {c['rate']}, "
+                      f"window {c['window_s']:g} s")
+    fig.tight_layout()
+    p = Path(path)
+    write_atomic(p, lambda f: fig.savefig(f, format="png", dpi=100))
+    plt.close(fig)
+    return p
+
+
+__all__ = ["MEASUREMENT", "TARGETS", "figures", "format_table", "policy_params", "rows_of",
+           "write_plot"]
