@@ -135,6 +135,28 @@ def test_loaded_adopted_after_kill9_left_on_stop_removed_by_cleanup(layer: Layer
     assert [h.sequence for h, _ in read_frames(s, 1)] == [4]
     assert layer.status()["modalities"]["audio"]["frames"] >= 5  # the same counters
 
+    # a program detached behind qosd's back: the next resync attaches it again
+    from mmmesh.dataplane import _sock
+
+    with _sock.Attachment(pin_dir, layer.path) as att:
+        att.detach()
+    assert wait_for(lambda: layer.sl().status().attached == {"sockops": True, "sk_msg": True},
+                    10), node.log()
+    assert layer.status()["prog_ids"] == ids
+
+    # redirect switched off in qosd.yaml: adopted, and the switch follows the file
+    node.stop(signal.SIGKILL)
+    cfg = yaml.safe_load(node.cfg.read_text())
+    cfg["socket_layer"]["redirect"] = False
+    node.cfg.write_text(yaml.safe_dump(cfg))
+    node.start()
+    st = layer.status()
+    assert st["adopted"] is True and st["redirect"] is False and st["prog_ids"] == ids, st
+    off = st["events"].get("off", 0)
+    c.sendall(frame(AUDIO, 200, seq=5))
+    assert [h.sequence for h, _ in read_frames(s, 1)] == [5]
+    assert layer.status()["events"]["off"] == off + 1  # over TCP, still counted
+
     # stop: left as it is; --cleanup removes it
     node.stop()
     assert layer.sl().loaded()
@@ -142,8 +164,8 @@ def test_loaded_adopted_after_kill9_left_on_stop_removed_by_cleanup(layer: Layer
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert "socket layer" in out, out
     assert not layer.sl().loaded() and not os.path.exists(pin_dir)
-    c.sendall(frame(AUDIO, 200, seq=5))  # the connection goes on over TCP
-    assert [h.sequence for h, _ in read_frames(s, 1)] == [5]
+    c.sendall(frame(AUDIO, 200, seq=6))  # the connection goes on over TCP
+    assert [h.sequence for h, _ in read_frames(s, 1)] == [6]
     c.close()
     s.close()
 
