@@ -318,8 +318,9 @@ def test_public_names() -> None:
 
     assert pkg.__all__ == [
         "ClassSpec", "Controller", "Decision", "Judgement", "Law", "Measure", "Params",
-        "Record", "SlaInput", "Verdict", "effective_policy", "from_board", "from_cluster",
-        "judge", "policy_digest", "render",
+        "Record", "ReplicaLaw", "ReplicaWeights", "SlaInput", "Verdict", "effective_policy",
+        "from_board", "from_cluster", "judge", "judge_replica", "policy_digest", "render",
+        "replica_measures",
     ]  # fmt: skip
     assert {n for n in vars(pkg) if not n.startswith("_")} - set(pkg.__all__) == {"sim"}
 
