@@ -122,7 +122,7 @@ async def raw_watcher(endpoints: list[str], counts: dict[str, int]) -> None:
                 if not rev:
                     rev = (await client.status())["revision"]
                 w = await client.watch([lay.sla], rev + 1)
-                counts["watchers_up"] = counts.get("watchers_up", 0) + 1
+                counts["watching"] = counts.get("watching", 0) + 1
                 try:
                     while True:
                         r, events = await w.next()
@@ -132,6 +132,7 @@ async def raw_watcher(endpoints: list[str], counts: dict[str, int]) -> None:
                             len(e.kv.value) for e in events)
                 finally:
                     w.cancel()
+                    counts["watching"] -= 1
             except EtcdError:
                 counts["watcher_errors"] = counts.get("watcher_errors", 0) + 1
                 await asyncio.sleep(0.2)
@@ -166,13 +167,11 @@ async def worker(a: argparse.Namespace) -> None:
     for n in nodes:
         await n.start()
     counts: dict[str, int] = {}
-    watchers = [asyncio.create_task(raw_watcher(endpoints, counts))
-                for _ in range(a.sla_watchers)]
+    watchers: list[asyncio.Task[None]] = []
     # ready: every node up, its member key and its first (empty) SLA publication
     # written, every member of the whole run known to it (the join's N^2 events done)
-    while not (all(n.up and n.counters.get("member_writes") and n.counters.get("sla_writes")
-                   and len(n.mirror.members) >= a.total for n in nodes)
-               and counts.get("watchers_up", 0) >= len(watchers)):
+    while not all(n.up and n.counters.get("member_writes") and n.counters.get("sla_writes")
+                  and len(n.mirror.members) >= a.total for n in nodes):
         await asyncio.sleep(0.1)
     print("ready", flush=True)
     loop = asyncio.get_running_loop()
@@ -180,6 +179,9 @@ async def worker(a: argparse.Namespace) -> None:
         line = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
         if line == "sla":
             sla_on = True
+        elif line == "watch":
+            watchers += [asyncio.create_task(raw_watcher(endpoints, counts))
+                         for _ in range(a.sla_watchers)]
         elif line == "stats":
             out = dict(counts)
             for n in nodes:
@@ -308,6 +310,24 @@ async def rollouts(n: int, endpoints: list[str], count: int) -> dict[str, Any]:
             "missing": sum(r["missing"] for r in runs)}
 
 
+def window(workers: Workers, etcd: Any, pids: list[int], seconds: float) -> dict[str, float]:
+    """etcd's writes/s (its revision), its CPU (cores) and the workers' counters
+    over ``seconds``, each over its own span (etcdctl and the workers take time)."""
+    s0, before = time.monotonic(), workers.stats()
+    r0, rev0, cpu0 = time.monotonic(), etcd.revision(), cpu_s(pids)
+    time.sleep(seconds)
+    s1, after = time.monotonic(), workers.stats()
+    r1, rev1, cpu1 = time.monotonic(), etcd.revision(), cpu_s(pids)
+
+    def delta(key: str) -> int:
+        return after.get(key, 0) - before.get(key, 0)
+
+    return {"writes_per_s": (rev1 - rev0) / (r1 - r0), "cores": (cpu1 - cpu0) / (r1 - r0),
+            "sla_events_per_s": delta("sla_events") / (s1 - s0),
+            "sla_events": delta("sla_events"), "sla_bytes": delta("sla_bytes"),
+            "failures": delta("write_failures")}
+
+
 def run_size(n: int, a: argparse.Namespace, merge_ms: float) -> dict[str, Any]:
     from tests.etcd_cluster import EtcdCluster
 
@@ -320,39 +340,47 @@ def run_size(n: int, a: argparse.Namespace, merge_ms: float) -> dict[str, Any]:
             up_s = time.monotonic() - t0
             roll = asyncio.run(rollouts(n, etcd.endpoints, a.rollouts))
             pids = [p.pid for p in etcd.procs if p is not None]
+            # windows of whole periods: nodes started together publish in step
+            span = a.sla_period * max(1, round(a.sla_seconds / a.sla_period))
+            idle = window(workers, etcd, pids, a.sla_period)  # leases, raft heartbeats
             workers.send("sla")
             time.sleep(a.sla_period)  # every node's timer fires once: all publishing
-            # each figure over its own span (etcdctl and the workers' answers take time)
-            s0, before = time.monotonic(), workers.stats()
-            r0, rev0, cpu0 = time.monotonic(), etcd.revision(), cpu_s(pids)
-            time.sleep(a.sla_seconds)
-            s1, after = time.monotonic(), workers.stats()
-            r1, rev1, cpu1 = time.monotonic(), etcd.revision(), cpu_s(pids)
+            writing = window(workers, etcd, pids, span)  # no watcher of P/sla/
+            watching = writing
+            if a.sla_watchers:
+                workers.send("watch")
+                deadline = time.monotonic() + 30
+                while (workers.stats().get("watching", 0) < a.sla_watchers
+                       and time.monotonic() < deadline):
+                    time.sleep(0.2)
+                time.sleep(1.0)
+                watching = window(workers, etcd, pids, span)
+            after = workers.stats()
             db = max(int(s["Status"]["dbSize"]) for s in etcd.status())
-
-            def delta(key: str) -> int:
-                return after.get(key, 0) - before.get(key, 0)
-
-            writes = (rev1 - rev0) / (r1 - r0)
-            watchers = a.sla_watchers
-            per_watcher = delta("sla_events") / (s1 - s0) / max(1, watchers)
-            cores = (cpu1 - cpu0) / (r1 - r0)
-            # etcd's CPU per event it handled (a write, or one delivered to a watcher):
-            # an upper bound of a delivery's cost, extrapolated to every node watching
-            per_event = cores / max(1e-9, writes + per_watcher * watchers)
+            writes = writing["writes_per_s"]
+            per_watcher = watching["sla_events_per_s"] / max(1, a.sla_watchers)
+            # etcd's CPU for one delivery to a watcher: the watching window's CPU
+            # above the writing one's, per event delivered
+            delivered = watching["sla_events_per_s"]
+            per_event = max(0.0, watching["cores"] - writing["cores"]) / delivered \
+                if delivered else None
             sla = {"writes_per_s": round(writes, 1),
                    "expected_per_s": round(n / a.sla_period, 1),
-                   "failures": delta("write_failures"),
-                   "bytes_per_write": round(delta("sla_bytes") / max(1, delta("sla_events")))
-                   if watchers else None,
-                   "etcd_cpu_cores": round(cores, 2),
-                   "etcd_us_per_event": round(per_event * 1e6, 1),
-                   "etcd_cores_if_all_watch": round(per_event * writes * (n + 1), 2),
+                   "failures": writing["failures"] + watching["failures"],
+                   "bytes_per_write": round(watching["sla_bytes"] / watching["sla_events"])
+                   if watching["sla_events"] else None,
+                   "etcd_idle_cores": round(idle["cores"], 3),
+                   "etcd_cores": round(writing["cores"], 3),
+                   "etcd_cores_watched": round(watching["cores"], 3),
                    "etcd_db_bytes": db,
-                   "watchers": watchers,
+                   "watchers": a.sla_watchers,
                    "events_per_watcher_per_s": round(per_watcher, 1),
                    "delivered_share": round(per_watcher / max(1e-9, writes), 2),
+                   "etcd_us_per_delivery": round(per_event * 1e6, 1) if per_event is not None
+                   else None,
                    "fanout_if_all_watch_per_s": round(writes * n),
+                   "etcd_cores_if_all_watch": round(writing["cores"] + per_event * writes * n, 2)
+                   if per_event is not None else None,
                    "view_merge_ms": merge_ms,
                    "view_cpu_if_all_watch": round(n / a.sla_period * merge_ms / 1000, 3)}
             errors = {k: after.get(k, 0) for k in ("session_errors", "leases_lost",
@@ -416,21 +444,28 @@ def render(res: dict[str, Any]) -> str:
         return "-" if x is None else str(x)
 
     head = (f"{'nodes':>6} {'start s':>8} {'p50 s':>6} {'p99 s':>6} {'all s':>6} "
-            f"{'cold p99':>8} {'CAS s':>6} {'miss':>5} | {'SLA w/s':>8} {'N/period':>8} "
-            f"{'fail':>5} {'etcd CPU':>8} {'db MB':>6} {'watch':>5} {'delivered':>9} "
-            f"{'all watch: etcd':>15} {'view/qosd':>9}")
-    out = [(f"etcd (3 members on this VM, {res['apply_ms']:g} ms apply): rollout = from the CAS "
-           "to each ACK seen by a watcher (warm rollouts pooled); SLA = every node every "
-           f"{res['sla_period_s']:g} s"), head]
+            f"{'cold p99':>8} {'CAS s':>6} {'missing':>7}")
+    out = [(f"etcd (3 members on this VM, apply {res['apply_ms']:g} ms): from the CAS to each "
+            "ACK seen by a watcher, warm rollouts pooled"), head]
     for r in res["etcd"]:
-        ro, s = r["rollout"], r["sla"]
+        ro = r["rollout"]
         out.append(f"{r['nodes']:>6} {r['startup_s']:>8} {f(ro['p50_s']):>6} "
                    f"{f(ro['p99_s']):>6} {f(ro['all_s']):>6} {f(ro['cold']['p99_s']):>8} "
-                   f"{f(ro['commit_s']):>6} {ro['missing']:>5} | {s['writes_per_s']:>8} "
-                   f"{s['expected_per_s']:>8} {s['failures']:>5} {s['etcd_cpu_cores']:>8} "
-                   f"{s['etcd_db_bytes'] / 1e6:>6.1f} {s['watchers']:>5} "
-                   f"{s['delivered_share']:>9} {s['etcd_cores_if_all_watch']:>15} "
-                   f"{s['view_cpu_if_all_watch']:>9}")
+                   f"{f(ro['commit_s']):>6} {ro['missing']:>7}")
+    head = (f"{'nodes':>6} {'writes/s':>8} {'N/period':>8} {'fail':>5} {'B/write':>7} "
+            f"{'db MB':>6} {'CPU idle':>8} {'writes':>7} {'watched':>7} {'watchers':>8} "
+            f"{'delivered':>9} {'us/event':>8} | {'etcd CPU':>8} {'view/qosd':>9}")
+    out += ["", (f"etcd SLA: every node's 4 windows every {res['sla_period_s']:g} s; etcd CPU "
+                 "(cores) idle, writing, and writing to the watchers | extrapolated: every "
+                 "node watching P/sla/"), head]
+    for r in res["etcd"]:
+        s = r["sla"]
+        out.append(f"{r['nodes']:>6} {s['writes_per_s']:>8} {s['expected_per_s']:>8} "
+                   f"{s['failures']:>5} {f(s['bytes_per_write']):>7} "
+                   f"{s['etcd_db_bytes'] / 1e6:>6.1f} {s['etcd_idle_cores']:>8} "
+                   f"{s['etcd_cores']:>7} {s['etcd_cores_watched']:>7} {s['watchers']:>8} "
+                   f"{s['delivered_share']:>9} {f(s['etcd_us_per_delivery']):>8} | "
+                   f"{f(s['etcd_cores_if_all_watch']):>8} {s['view_cpu_if_all_watch']:>9}")
     head = (f"{'nodes':>6} {'p50 s':>6} {'p99 s':>6} {'all s':>6} {'origin s':>8} "
             f"{'every s':>8} | {'digest every s':>14} {'digests/s':>9} {'wall s':>6}")
     out += ["", ("gossip (simulation, same apply): applied; the origin's table; every table | "
@@ -445,8 +480,8 @@ def render(res: dict[str, Any]) -> str:
             f"{'not run' if t is None else 'PASS' if t else 'FAIL'}; wall {res['wall_s']} s; "
             f"load average {res['loadavg_start'][0]} -> {res['loadavg_end'][0]} "
             f"on {res['cpus']} CPUs"),
-            ("(CPU figures in cores; 'all watch': if every node watched P/sla/, etcd's CPU "
-            "extrapolated from its CPU per event, and each qosd's to merge N/period bundles)")]
+            ("(every node watching: etcd's CPU writing + us/event x writes/s x N; each "
+             "qosd's CPU to merge N/period bundles into its view)")]
     return "\n".join(out)
 
 
@@ -465,13 +500,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="100,300,1000", help="etcd watchers, comma-separated")
     ap.add_argument("--gossip-sizes", default="100,300,1000",
                     help="gossip simulation sizes ('' none)")
-    ap.add_argument("--gossip-every-max", type=int, default=300,
+    ap.add_argument("--gossip-every-max", type=int, default=100,
                     help="largest gossip size whose every-table time is run")
     ap.add_argument("--procs", type=int, default=8, help="worker processes")
     ap.add_argument("--rollouts", type=int, default=5, help="warm rollouts per size")
     ap.add_argument("--apply-ms", type=float, default=100.0)
     ap.add_argument("--sla-period", type=float, default=5.0)
-    ap.add_argument("--sla-seconds", type=float, default=20.0)
+    ap.add_argument("--sla-seconds", type=float, default=15.0,
+                    help="each SLA window (idle, writing, watched), in whole periods")
     ap.add_argument("--sla-watchers", type=int, default=50, help="raw watchers of P/sla/")
     ap.add_argument("--json", action="store_true", help="print the JSON object only")
     ap.add_argument("--out-dir", default=str(ROOT / "out" / "bench"))

@@ -45,6 +45,7 @@ def test_twenty_watchers_all_ack_and_publish(tmp_path: Path) -> None:
     assert sla["watchers"] == 3 and sla["events_per_watcher_per_s"] > 5
     assert sla["bytes_per_write"] > 400  # 4 windows with sketches, not empty publications
     assert sla["etcd_db_bytes"] > 0 and sla["view_merge_ms"] > 0
+    assert sla["etcd_cores"] > 0 and sla["etcd_us_per_delivery"] is not None
     assert e["errors"]["relists_compacted"] == 0
     (g,) = res["gossip"]
     assert g["nodes"] == 20 and g["applied"] == 20
