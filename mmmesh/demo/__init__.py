@@ -14,7 +14,8 @@
     closed_loop.py   ``mmmesh demo --closed-loop``: the SLA controller off vs on
     closed_loop_flood.py    its video flood (UDP segmentation offload), reported to qosd
     closed_loop_observe.py  what it watches: stage windows, HTB classes, the controller
-    closed_loop_report.py   its figures (settle, oscillations, max step), table and plot
+    closed_loop_report.py   its figures (settle, oscillations, max step, back to the policy)
+    closed_loop_show.py     its table and plot
     closed_loop_cli.py      its arguments and output
     _cli.py      ``mmmesh demo``
 

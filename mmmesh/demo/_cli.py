@@ -65,7 +65,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="the SLA controller in a closed loop: the pipeline under a video "
                              "flood with a policy that under-provisions voice, controller off "
                              "then on, window by window (table, closed-loop.json, "
-                             "closed-loop.png; docs/controller.md)")
+                             "closed-loop.png; docs/controller.md); --policy defaults to "
+                             "examples/closed-loop-policy.yaml, --flood is the flood's rate")
     from .closed_loop_cli import add_arguments as closed_loop_arguments
 
     closed_loop_arguments(parser)

@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=_window_s, default=d.window_s, metavar="SECONDS",
                    help=f"--closed-loop: the SLA window, the controller's period and the "
                         f"stages' report interval (default {d.window_s:g})")
+    p.add_argument("--warm-windows", type=_windows, default=d.warm, metavar="N",
+                   help=f"--closed-loop: windows of warm-up under the policy without "
+                        f"objectives, before the timeline (default {d.warm})")
     p.add_argument("--quiet-windows", type=_windows, default=d.quiet, metavar="N",
                    help=f"--closed-loop: windows before the flood (default {d.quiet})")
     p.add_argument("--flood-windows", type=_windows, default=d.flood, metavar="N",
@@ -52,6 +55,7 @@ def config_from_args(a: argparse.Namespace) -> ClosedLoopConfig:
     d = ClosedLoopConfig()
     flood = getattr(a, "flood", None)
     return replace(d, window_s=getattr(a, "window", d.window_s),
+                   warm=getattr(a, "warm_windows", d.warm),
                    quiet=getattr(a, "quiet_windows", d.quiet),
                    flood=getattr(a, "flood_windows", d.flood),
                    after=getattr(a, "after_windows", d.after),
@@ -65,7 +69,7 @@ def run_from_args(a: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     from . import report
-    from .closed_loop_report import format_table, write_plot
+    from .closed_loop_show import format_table, write_plot
 
     progress = report.Progress(enabled=not getattr(a, "quiet", False))
     try:

@@ -61,12 +61,9 @@ class Observation:
 
     def params_at(self, t: float) -> Params:
         """The kernel's parameters at unix time ``t``."""
-        p = {c: dict(v) for c, v in self.initial.items()}
-        for ch in self.changes:
-            if ch["t"] > t:
-                break
-            p.setdefault(ch["class"], {})[ch["knob"]] = ch["new"]
-        return p
+        from .closed_loop_report import params_at
+
+        return params_at(self.initial, self.changes, t)
 
 
 class Observer:

@@ -1,4 +1,5 @@
-"""The closed-loop demo's figures, table and plot (:mod:`.closed_loop`).
+"""The closed-loop demo's figures (:mod:`.closed_loop`; the table and the plot
+are :mod:`.closed_loop_show`'s).
 
 Windows are the stages' own SLA windows (one a ``window_s``), each placed in
 its run's timeline by its middle (quiet, flood, after) and numbered from 1
@@ -25,9 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from .closed_loop import STAGES, WATCH, ClosedLoopConfig
@@ -127,53 +126,79 @@ def served(counters: list[tuple[float, int, int, int]], a: float,
             "drops": last[2] - first[2], "backlog_max": max(c[3] for c in inside)}
 
 
-def _attainment(rows: list[dict[str, Any]], first: int) -> float | None:
-    ms = [r[WATCH] for r in rows if r["phase"] == "flood" and r["i"] >= first and r[WATCH]]
+def _attainment(rows: list[dict[str, Any]], first: int, phase: str = "flood") -> float | None:
+    """Voice's attainment, frame-weighted, over ``phase``'s windows from ``first``."""
+    ms = [r[WATCH] for r in rows if r["phase"] == phase and r["i"] >= first and r[WATCH]]
     frames = sum(m["frames"] for m in ms)
     met = sum(m["frames"] * (m["attainment"] or 0.0) for m in ms)
     return round(met / frames, 4) if frames else None
 
 
-def _settle(run: dict[str, Any], w: float) -> int:
-    during = [c["t"] for c in run["observation"].changes
-              if run["flood_from"] <= c["t"] < run["flood_to"]]
-    return 1 if not during else max(1, math.ceil((max(during) - run["flood_from"]) / w) + 1)
+Change = dict[str, Any]  # {"t", "class", "knob", "old", "new"}, as the observer records them
 
 
-def _oscillations(run: dict[str, Any]) -> int:
+def settle_windows(changes: list[Change], flood_from: float, flood_to: float,
+                   window_s: float) -> int:
+    """From the flood's start, counted from 1, the first window that runs on
+    the parameters that then hold until the flood stops: the window after the
+    one holding the last change made during the flood (1 when none was)."""
+    during = [c["t"] for c in changes if flood_from <= c["t"] < flood_to]
+    if not during:
+        return 1
+    return max(1, math.ceil((max(during) - flood_from) / window_s) + 1)
+
+
+def oscillations(changes: list[Change], flood_to: float) -> int:
+    """Direction changes (up to down or down to up) of any knob of any class,
+    but for one per knob that is expected: a knob that went up, coming down
+    once the flood has stopped (the load went away)."""
     series: dict[tuple[str, str], list[tuple[float, int]]] = {}
-    for c in run["observation"].changes:
-        series.setdefault((c["class"], c["knob"]), []).append((c["t"], c["new"] - c["old"]))
+    for c in sorted(changes, key=lambda c: c["t"]):
+        if c["new"] != c["old"]:
+            series.setdefault((c["class"], c["knob"]), []).append((c["t"], c["new"] - c["old"]))
     osc = 0
     for moves in series.values():
-        flips = [(b[0], b[1]) for a, b in itertools.pairwise(moves)
-                 if (a[1] > 0) != (b[1] > 0)]
+        flips = [b for a, b in itertools.pairwise(moves) if (a[1] > 0) != (b[1] > 0)]
         expected = bool(flips) and moves[0][1] > 0 and flips[0][1] < 0 and \
-            flips[0][0] >= run["flood_to"]
+            flips[0][0] >= flood_to
         osc += len(flips) - expected
     return osc
 
 
-def _max_step(run: dict[str, Any], policy: Params) -> float:
+def max_step(changes: list[Change], policy: Params) -> float:
+    """The largest single change of a rate, ceil or weight as a fraction of
+    its policy value (0.0 when nothing changed)."""
     steps = [abs(c["new"] - c["old"]) / policy[c["class"]][c["knob"]]
-             for c in run["observation"].changes
+             for c in changes
              if c["knob"] != "priority" and policy.get(c["class"], {}).get(c["knob"])]
     return round(max(steps, default=0.0), 4)
 
 
-def _back(run: dict[str, Any], policy: Params, w: float) -> int | None:
-    obs = run["observation"]
-    stop = run["flood_to"]
+def params_at(initial: Params, changes: list[Change], t: float) -> Params:
+    """The parameters at time ``t``: ``initial`` with every change up to it."""
+    p = {c: dict(v) for c, v in initial.items()}
+    for ch in sorted(changes, key=lambda c: c["t"]):
+        if ch["t"] > t:
+            break
+        p.setdefault(ch["class"], {})[ch["knob"]] = ch["new"]
+    return p
+
+
+def back_to_policy_windows(initial: Params, changes: list[Change], policy: Params,
+                           flood_to: float, window_s: float) -> int | None:
+    """Windows from the flood's stop until every class the kernel holds is
+    at the policy's values (:func:`same_params`): 0 when they already are,
+    None when not within the changes seen."""
 
     def at_policy(t: float) -> bool:
-        p = obs.params_at(t)
+        p = params_at(initial, changes, t)
         return all(same_params(p.get(c), v) for c, v in policy.items() if c in p)
 
-    if at_policy(stop):
+    if at_policy(flood_to):
         return 0
-    for c in obs.changes:
-        if c["t"] > stop and at_policy(c["t"]):
-            return math.ceil((c["t"] - stop) / w)
+    for c in sorted(changes, key=lambda c: c["t"]):
+        if c["t"] > flood_to and at_policy(c["t"]):
+            return math.ceil((c["t"] - flood_to) / window_s)
     return None
 
 
@@ -192,7 +217,8 @@ def figures(cfg: ClosedLoopConfig, policy: Any, runs: dict[str, Any]) -> dict[st
     w = cfg.window_s
     rows = {m: rows_of(cfg, r) for m, r in runs.items()}
     on = runs.get("on")
-    settle = _settle(on, w) if on else None
+    ch = on["observation"].changes if on else []
+    settle = settle_windows(ch, on["flood_from"], on["flood_to"], w) if on else None
     out: dict[str, Any] = {
         "version": 1, "measurement": MEASUREMENT, "watch": WATCH,
         "objective": policy.class_named(WATCH).sla.model_dump(exclude_none=True),
@@ -201,9 +227,11 @@ def figures(cfg: ClosedLoopConfig, policy: Any, runs: dict[str, Any]) -> dict[st
         "attainment_off": _attainment(rows["off"], settle or 1) if "off" in rows else None,
         "attainment_on": _attainment(rows["on"], settle or 1) if on else None,
         "settle_windows": settle,
-        "oscillations": _oscillations(on) if on else None,
-        "max_step": _max_step(on, pol) if on else None,
-        "back_to_policy_windows": _back(on, pol, w) if on else None,
+        "oscillations": oscillations(ch, on["flood_to"]) if on else None,
+        "max_step": max_step(ch, pol) if on else None,
+        "back_to_policy_windows": back_to_policy_windows(
+            on["observation"].initial, ch, pol, on["flood_to"], w) if on else None,
+        "attainment_on_after": _attainment(rows["on"], 1, "after") if on else None,
     }
     out["targets"] = {k: _meets(out.get(k), *t) for k, t in TARGETS.items()}
     out["windows"] = _side_by_side(rows)
@@ -242,94 +270,6 @@ def _side_by_side(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]
     return out
 
 
-# --------------------------------------------------------------------------
-# Table and plot
-# --------------------------------------------------------------------------
-def _f(x: Any, spec: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
-
-
-def format_table(result: dict[str, Any]) -> str:
-    c, obj = result["config"], result["objective"]
-    head = (f"mmmesh closed-loop demo: uplink {c['rate']}, window {c['window_s']:g} s, "
-            f"voice objective p99 <= {obj.get('p99_ms', '-')} ms and attainment >= "
-            f"{obj.get('attainment', '-')}; policy {result['policy'][WATCH]['rate'] / 1e6:g} "
-            f"Mbit/s, weight {result['policy'][WATCH]['weight']}, adapt {result['adapt']}")
-    cols = (f"{'phase':<6}{'w':>3} | {'voice p99':>9}{'att':>7}{'video p99':>10} | "
-            f"{'voice p99':>9}{'att':>7}{'video p99':>10}{'rate':>8}{'weight':>7}")
-    lines = [head, "", cols, f"{'':<9} | {'controller OFF':^26} | {'controller ON':^41}"]
-    lines.append("-" * len(lines[-2]))
-    for r in result["windows"]:
-        cells = []
-        for m in ("off", "on"):
-            x = r.get(m) or {}
-            v, vid = x.get(WATCH) or {}, x.get("video") or {}
-            cells.append(f"{_f(v.get('p99_ms'), '.0f'):>9}{_f(v.get('attainment'), '.3f'):>7}"
-                         f"{_f(vid.get('p99_ms'), '.0f'):>10}")
-        on = r.get("on") or {}
-        rate = on.get("voice_rate")
-        lines.append(f"{r['phase']:<6}{r['i']:>3} | {cells[0]} | {cells[1]}"
-                     f"{_f(None if rate is None else rate / 1e6, '.2f'):>7}M"
-                     f"{_f(on.get('voice_weight'), 'd'):>7}")
-    lines.append("")
-    for d in result["runs"].get("on", {}).get("decisions", []):
-        lines.append(f"  t={d['t']:+6.1f}s {d['class']}: {d['change']}: {d['why']}")
-    figs = {k: result[k] for k in TARGETS} | {"max_step": result["max_step"]}
-    lines += ["", "  ".join(f"{k} {v}" for k, v in figs.items()),
-              "targets: " + ", ".join(f"{k} {op} {t}: {_word(result['targets'][k])}"
-                                      for k, (op, t) in TARGETS.items())]
-    return "\n".join(lines)
-
-
-def _word(ok: bool | None) -> str:
-    return "-" if ok is None else "met" if ok else "MISSED"
-
-
-def write_plot(path: str | os.PathLike[str], result: dict[str, Any]) -> Path:
-    """Voice p99, voice attainment and voice's rate per window, off vs on,
-    against time from the flood's start (shaded)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .._files import write_atomic
-
-    fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
-    colors = {"off": "tab:red", "on": "tab:green"}
-    obj = result["objective"]
-    for m, color in colors.items():
-        pts = [r[m] for r in result["windows"] if r.get(m) and r[m].get(WATCH)]
-        ts = [p["t"] for p in pts]
-        axes[0].plot(ts, [p[WATCH]["p99_ms"] for p in pts], "o-", color=color,
-                     label=f"controller {m}")
-        axes[1].plot(ts, [p[WATCH]["attainment"] for p in pts], "o-", color=color,
-                     label=f"controller {m}")
-        axes[2].step(ts, [(p["voice_rate"] or 0) / 1e6 for p in pts], where="post",
-                     color=color, label=f"voice rate, controller {m}")
-    if obj.get("p99_ms"):
-        axes[0].axhline(obj["p99_ms"], color="gray", linestyle="--", linewidth=1)
-    if obj.get("attainment"):
-        axes[1].axhline(obj["attainment"], color="gray", linestyle="--", linewidth=1)
-    axes[0].set_yscale("log")
-    axes[0].set_ylabel("voice p99 (ms, log)")
-    axes[1].set_ylabel("voice attainment")
-    axes[2].set_ylabel("voice rate (Mbit/s)")
-    axes[2].set_xlabel("seconds from the flood's start (shaded: the flood)")
-    c = result["config"]
-    span = c["flood"] * c["window_s"]
-    for ax in axes:
-        ax.axvspan(0, span, color="tab:blue", alpha=0.08)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
-    axes[0].set_title(f"closed loop: voice under a video flood, uplink {c['rate']}, "
-                      f"window {c['window_s']:g} s")
-    fig.tight_layout()
-    p = Path(path)
-    write_atomic(p, lambda f: fig.savefig(f, format="png", dpi=100))
-    plt.close(fig)
-    return p
-
-
-__all__ = ["MEASUREMENT", "TARGETS", "figures", "format_table", "policy_params", "rows_of",
-           "write_plot"]
+__all__ = ["CLASSES", "MEASUREMENT", "TARGETS", "back_to_policy_windows", "figures",
+           "max_step", "oscillations", "params_at", "policy_params", "rows_of", "same_params",
+           "served", "settle_windows"]
