@@ -266,3 +266,28 @@ def test_bad_socket_layer_config_names_the_field(tmp_path: Path) -> None:
                        text=True, timeout=60)
     assert r.returncode == 2
     assert "socket_layer.stages.0.endpoints.0.replica" in r.stderr, r.stderr
+
+
+def test_a_missing_cgroup_is_reported_and_retried(node: Node) -> None:
+    """qosd serves with the layer down, says why, and brings it up at a resync
+    once the cgroup exists."""
+    with scratch_cgroup("late") as (path, rel):
+        os.rmdir(path)  # not there yet
+        cfg = yaml.safe_load(node.cfg.read_text())
+        cfg["socket_layer"] = {"enabled": True, "cgroup": rel}
+        node.cfg.write_text(yaml.safe_dump(cfg))
+        try:
+            node.start()
+            st = node.get("/v1/status").json()["socket_layer"]
+            assert st["enabled"] and not st["loaded"] and "no cgroup" in st["error"], st
+            os.mkdir(path)
+            assert wait_for(lambda: node.get("/v1/status").json()["socket_layer"].get(
+                "loaded") is True, 60), node.log()  # a first load compiles: seconds
+            st = node.get("/v1/status").json()["socket_layer"]
+            assert st["error"] is None and st["attached"] == {"sockops": True, "sk_msg": True}
+        finally:
+            node.stop(signal.SIGKILL)
+            from mmmesh.dataplane import SocketLayer
+
+            if os.path.isdir(path):
+                SocketLayer(rel).down()
