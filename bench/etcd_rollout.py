@@ -12,30 +12,36 @@ processes do not fit this machine by the hundred.  For each size in
 election 1 s):
 
   start     every node up, its member key written, every member known to
-            every node (the N^2 member events digested): ``startup_s``
+            every node (the N^2 member events digested): ``startup_s``; a
+            size not in sync within ``--startup-timeout`` is reported as not
+            measured (the machine cannot hold it) and the run goes on
   rollout   ``--rollouts`` proposals from an extra node (its CAS
             transaction), each timed from just before the transaction to
             each node's ACK as an observer's watch on ``P/acks/`` sees it;
             p50 / p99 over the ACKs of every warm rollout pooled, the slowest
             rollout's last ACK; the first (cold) rollout apart
-  sla       every node publishes 4 class windows with sketches (591 B) every
-            ``--sla-period`` s; after one period of warm-up, over
-            ``--sla-seconds``: etcd writes per second (its revision counter),
-            write failures, etcd's CPU (its three members, in cores) and db
-            size; ``--sla-watchers`` raw watchers of ``P/sla/`` (own channel,
-            count events and bytes, decode nothing) measure the fan-out etcd
-            delivers; the SLA view's merge of one bundle (``SlaView``, the
-            code every qosd's watch feeds) is timed apart, so the CPU a qosd
-            spends on the full view at N is ``N / period x merge``
+  sla       etcd's CPU (its three members, in cores) idle for one period;
+            then every node publishes 4 class windows with sketches (~600 B)
+            every ``--sla-period`` s and, after one period of warm-up, over
+            ``--sla-seconds`` (whole periods: nodes started together publish
+            in step): etcd writes per second (its revision counter), write
+            failures, etcd's CPU and db size; then the same window again with
+            ``--sla-watchers`` raw watchers of ``P/sla/`` (own channel; count
+            events and bytes, decode nothing): the share of writes each
+            receives and etcd's CPU per delivery (the CPU above the writing
+            window's), extrapolated to every node watching (qosd's default:
+            N^2 / period deliveries a second); the SLA view's merge of one
+            bundle (``SlaView``, the code every qosd's watch feeds) is timed
+            apart, so a qosd's CPU for the full view is ``N / period x merge``
 
 Gossip (same N, same run): ``RolloutSimulation`` (the real cores on the
 virtual clock, apply ``--apply-ms``): applied p50 / p99 / all, the origin's
 table (what ``apply --cluster`` waits on) and, up to ``--gossip-every-max``
-members, every member's table (a 1000-member one is minutes of wall time);
+members, every member's table (300 members: 90 s of wall time);
 the SLA view's digest law at N (``SlaViewConfig.digest_interval_s``): how
 often a member's 4-window digest may go out, and digests/s mesh-wide.
 
-    .venv/bin/python bench/etcd_rollout.py --sizes 100,300,1000 --gossip-sizes 100,300,1000
+    .venv/bin/python bench/etcd_rollout.py        # 100, 300, 1000 each: ~5 min
 
 Prints a table; writes out/bench/etcd-rollout.json.  On this 2-vCPU VM the
 three etcd members, every watcher process and the coordinator share two
