@@ -100,6 +100,18 @@ def _traffic(pin: bool, tx_ts: bool) -> dict[str, Any]:
             "bulk_cpu": 1 if pin and two else None}
 
 
+def _htb_mbit_s(res: dict[str, Any]) -> float | None:
+    """What the HTB classes sent during the mesh-on phase, per second of flood
+    (warm-up + duration): the shaped link's use, whatever the receivers keep up
+    with."""
+    classes = res["phases"]["on"].get("classes")
+    t = res.get("config", {}).get("traffic", {})
+    secs = t.get("warmup", 0) + t.get("duration", 0)
+    if not classes or secs <= 0:
+        return None
+    return sum(c.get("htb_bytes", 0) for c in classes.values()) * 8 / secs / 1e6
+
+
 def _record(res: dict[str, Any]) -> dict[str, Any]:
     s, ph = res["summary"], res["phases"]
     out = {k.replace("unloaded", "alone"): s.get(k) for k in (
@@ -115,6 +127,7 @@ def _record(res: dict[str, Any]) -> dict[str, Any]:
         link_mbit_s_on=ph["on"]["video"]["mbit_s"] + ph["on"]["lidar"]["mbit_s"],
         lidar_p99_off_ms=ph["off"]["lidar"]["p99_ms"], lidar_p99_on_ms=ph["on"]["lidar"]["p99_ms"],
         video_overlimits_on=(ph["on"].get("classes") or {}).get("video", {}).get("htb_overlimits"),
+        htb_mbit_s_on=_htb_mbit_s(res),
         htb_on=ph["on"].get("classes"), breakdown=s.get("voice_breakdown"),
         classified_packets=s["classified"], elapsed_s=res["elapsed_s"])
     return out
@@ -283,7 +296,8 @@ def _us(x: float | None) -> str:
 
 def _run_lines(runs: list[dict[str, Any]]) -> list[str]:
     head = (f"{'run':<4}{'variant':<9}{'p99 off':>9}{'p99 on':>8}{'alone':>7}{'on/alone':>9}"
-            f"{'off/on':>7}{'loss off':>9}{'on':>6}{'kern p50':>10}{'kern p99':>9}{'link':>6}")
+            f"{'off/on':>7}{'loss off':>9}{'on':>6}{'kern p50':>10}{'kern p99':>9}{'htb':>6}"
+            f"{'load':>6}")
     lines = [head]
     for i, r in enumerate(runs, 1):
         lines.append(
@@ -293,9 +307,10 @@ def _run_lines(runs: list[dict[str, Any]]) -> list[str]:
             f"{_f(r['voice_loss_off_pct'], '.1f'):>8}%{_f(r['voice_loss_on_pct'], '.1f'):>5}%"
             f"{_f(r['voice_kernel_p50_on_over_alone'], '.2f'):>10}"
             f"{_f(r['voice_kernel_p99_on_over_alone'], '.2f'):>9}"
-            f"{_f(r['link_mbit_s_on'], '.0f'):>6}")
+            f"{_f(r.get('htb_mbit_s_on'), '.0f'):>6}{_f((r.get('load') or [None])[0], '.1f'):>6}")
     lines.append("(p99 off in ms, on/alone in us, socket to socket; 'kern': on/alone to the "
-                 "kernel's receive timestamp; link: video + LiDAR Mbit/s delivered, mesh on)")
+                 "kernel's receive timestamp; htb: Mbit/s the HTB classes sent, mesh on; "
+                 "load: 1-min load average after the run)")
     return lines
 
 
@@ -303,10 +318,10 @@ def _variant_lines(runs: list[dict[str, Any]], names: list[str]) -> list[str]:
     """Per variant, medians over its runs: latencies (us) and ratios on/alone."""
     head = (f"{'variant':<9}{'kernel p50 on':>14}{'alone':>7}{'ratio':>7}"
             f"{'kernel p99 on':>15}{'alone':>7}{'ratio':>7}{'socket p50':>12}{'ratio':>7}"
-            f"{'socket p99':>12}{'ratio':>7}{'link':>6}{'ovl k':>7}{'runs':>6}")
+            f"{'socket p99':>12}{'ratio':>7}{'htb':>6}{'ovl k':>7}{'runs':>6}")
     lines = ["", "medians per variant (us; ratio = on / alone, the median of the per-run ratios;",
-             " link: Mbit/s delivered under the flood; ovl k: video class throttled, thousands):",
-             head]
+             (" htb: Mbit/s the HTB classes sent under the flood; ovl k: video class throttled, "
+             "thousands):"), head]
     for n in names:
         rs = [r for r in runs if r["variant"] == n]
         m = {k: _med(rs, k) for k in rs[0]} if rs else {}
@@ -320,7 +335,7 @@ def _variant_lines(runs: list[dict[str, Any]], names: list[str]) -> list[str]:
             f"{_f(m.get('voice_kernel_p99_on_over_alone'), '.2f'):>7}"
             f"{_us(m.get('voice_p50_on_ms')):>12}{_f(m.get('voice_p50_on_over_alone'), '.2f'):>7}"
             f"{_us(m.get('voice_p99_on_ms')):>12}{_f(m.get('on_over_alone'), '.2f'):>7}"
-            f"{_f(m.get('link_mbit_s_on'), '.0f'):>6}"
+            f"{_f(m.get('htb_mbit_s_on'), '.0f'):>6}"
             f"{_f(ovl and ovl / 1e3, '.1f'):>7}"
             f"{len(rs):>6}")
     parts = ("sender", "qdisc", "wire", "receiver")
