@@ -89,7 +89,8 @@ class Reconciler:
             dp = self.dataplane(good.policy.link.device)
             applied = self.kernel_policy(good)
             have = {override_key(e.override) for e in dp.overrides(applied)}
-            want = {override_key(o) for o in (*overrides.stages, *overrides.flows)}
+            want = ({override_key(o) for o in overrides.stages}
+                    | {override_key(o) for o in overrides.flows})
             if have == want:
                 return False
             dp.set_overrides(overrides, applied, bounds=good.policy)

@@ -160,7 +160,7 @@ def test_a_missing_stage_gets_a_boost_leaf_then_loses_it(live: tuple[Node, Path]
     assert set(dp.htb_classes()) == leaves_before
 
     # the trusted sidecars: asr misses, tts keeps voice's objective
-    deadline, got = time.monotonic() + 40, []
+    deadline, got = time.monotonic() + 40, list[Any]()
     while time.monotonic() < deadline and not got:
         post(node, report("asr", 500, 0.5), report("tts", 200_000, 1.0))
         got = overrides(node)
@@ -248,12 +248,12 @@ def test_a_failed_kernel_write_is_counted_and_never_raises(tmp_path: Path) -> No
     ``write`` returns (the controller's loop goes on)."""
     from mmmesh.controller import Decision, Law
     from mmmesh.policy import parse_policy
-    from qosd.config import QosdConfig
+    from qosd.config import QosdConfig, SocketLayerConfig
     from qosd.controller_kernel import KernelWriter, render_kernel
     from qosd.service import QosdService
 
-    cfg = QosdConfig(state_dir=tmp_path, socket_layer={"stages": [
-        {"name": "asr", "id": 2, "senders": [ASR_PREFIX]}]})
+    cfg = QosdConfig(state_dir=tmp_path, socket_layer=SocketLayerConfig.model_validate(
+        {"stages": [{"name": "asr", "id": 2, "senders": [ASR_PREFIX]}]}))
     svc = QosdService(cfg)
     pv = svc.store.activate(svc.store.prepare(parse_policy(policy_yaml("mmq-none0"))))
     svc.reconciler._last_good = pv  # as if applied: the device has no dataplane
