@@ -195,6 +195,63 @@ def test_user_spread_is_byte_exact_in_order_and_weighted() -> None:
     run(main(), timeout=180)
 
 
+def test_frames_of_a_lane_that_breaks_move_whole() -> None:
+    """Replica 1 takes a connection and never reads: its lane fills up, one
+    frame cut off mid-write.  The replica resets the connection: the cut frame
+    and the ones queued behind it move whole to the other lanes; nothing
+    arrives torn, nothing twice, and only what the dead socket had taken
+    whole is missing."""
+    import struct
+
+    n, size = 60, 1 << 20
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        sinks = [await Sink(maxsize=n + 1).start() for _ in range(2)]
+        mute = socket.create_server(("127.0.0.1", 0))
+        mute.setblocking(False)
+        addrs = [f"127.0.0.1:{p}" for p in (sinks[0].port, mute.getsockname()[1], sinks[1].port)]
+        sender = FrameSender(output(replicas=addrs), Limits())
+        await sender.start()
+        conn, _ = await loop.sock_accept(mute)
+        lane = sender.lanes[1]
+        try:
+            feed = loop.create_task(_send_sized(sender, n, size))
+            await wait_for(lambda: bool(lane.batch) and lane.batch[0].started, 10,
+                           "a frame cut off on lane 1")
+            assert not feed.done()  # the whole output waits for the lane (strict weights)
+            mute.close()  # the replica is gone: no reconnect
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # RST
+            await asyncio.wait_for(feed, 30)
+            assert await sender.flush(30)
+            lost = lane.counters.frames_out  # taken whole by the dead socket, never read
+            assert lane.counters.moved >= 1 and not lane.up
+            got = []
+            await wait_for(lambda: sum(s.queue.qsize() for s in sinks) == n - lost, 10,
+                           "every other frame")
+            for s in sinks:
+                while not s.queue.empty():
+                    f = s.queue.get_nowait()
+                    assert f.header.sequence is not None
+                    assert bytes(f.payload) == _payload(f.header.sequence, size).tobytes()
+                    got.append(f.header.sequence)
+                assert s.server.counters.malformed == {}  # nothing torn
+            assert len(got) == len(set(got)) == n - lost  # nothing twice
+        finally:
+            await sender.close()
+            for s in sinks:
+                await s.close()
+            mute.close()
+
+    run(main(), timeout=60)
+
+
+async def _send_sized(sender: FrameSender, n: int, size: int) -> None:
+    for i in range(n):
+        await sender.send(Header(modality=7, stream_id=2, sequence=i), _payload(i, size))
+
+
 # -- real sidecar processes ------------------------------------------------------------------
 @contextlib.contextmanager
 def sidecar_process(tmp: Path, name: str, port: int, outputs: list[dict[str, Any]],

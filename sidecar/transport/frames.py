@@ -183,7 +183,8 @@ async def joined(queue: asyncio.Queue[Any], timeout: float | None) -> bool:
     """Waits until every item put on ``queue`` was marked done
     (``task_done``); False when ``timeout`` seconds passed first."""
     try:
-        await asyncio.wait_for(queue.join(), timeout)
+        async with asyncio.timeout(timeout):  # (not wait_for: it can swallow a cancel)
+            await queue.join()
     except TimeoutError:
         return False
     return True

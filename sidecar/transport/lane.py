@@ -110,10 +110,13 @@ class Lane:
                                             name=f"sender-{self.owner.name}-{self.index}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        task = self._task
+        if task is not None:
+            while not task.done():  # (a cancel is re-sent should one ever be swallowed)
+                task.cancel()
+                await asyncio.wait((task,), timeout=1.0)
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                task.result()
             self._task = None
         self._close_sock(abort=False)
 
@@ -225,7 +228,10 @@ class Lane:
                 sock = socket.socket(family, socket.SOCK_STREAM)
                 sock.setblocking(False)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                await asyncio.wait_for(loop.sock_connect(sock, addr), self.owner.connect_timeout)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a
+                # cancel that meets a finished connect (close() then hangs)
+                async with asyncio.timeout(self.owner.connect_timeout):
+                    await loop.sock_connect(sock, addr)
             except (TimeoutError, OSError) as e:
                 if sock is not None:
                     sock.close()

@@ -275,7 +275,8 @@ class FrameSender:
                     await lane.queue.join()
 
         try:
-            await asyncio.wait_for(lanes_done(), timeout)
+            async with asyncio.timeout(timeout):
+                await lanes_done()
         except TimeoutError:
             return False
         return True
