@@ -386,7 +386,12 @@ def test_etcd_variant(tmp_path: Path) -> None:
             assert (root / "etc/default/etcd").exists() == (name == node1)
         root = v.root(node1)
         env_file = root / "etc/default/etcd"
-        assert f"ETCD_DATA_DIR={root}/var/lib/etcd/mmmesh" in env_file.read_text()
+        env = env_file.read_text()
+        assert f"ETCD_DATA_DIR={root}/var/lib/etcd/mmmesh" in env
+        # history compacted (the SLA keys are rewritten every period), and etcd below
+        # starts with these settings: a misspelt value would stop it
+        assert "ETCD_AUTO_COMPACTION_MODE=periodic" in env
+        assert "ETCD_AUTO_COMPACTION_RETENTION=10m" in env
         log = open(tmp_path / "etcd.log", "ab")  # noqa: SIM115 (the child keeps it)
         proc = subprocess.Popen(
             ["ip", "netns", "exec", v.ns(node1), "bash", "-c",
