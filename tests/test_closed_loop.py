@@ -177,7 +177,7 @@ def test_the_flood_sends_whole_frames_in_batches() -> None:
     spec = TrafficSpec(link_bps=20_000_000, flood_factor=0.5)  # ~890 frames/s
     flood = GsoFlood("127.0.0.1", rx.getsockname()[1], spec)
     try:
-        assert flood.batch == 46 and flood.size == spec.video_size
+        assert flood.batch == 8 and flood.size == spec.video_size
         now = time.time()
         sent, refused = flood.run(now, now + 0.5)
         assert refused == 0 and 0.7 * 0.5 * spec.flood_pps <= sent <= 1.3 * 0.5 * spec.flood_pps

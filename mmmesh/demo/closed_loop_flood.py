@@ -5,14 +5,21 @@ node's qosd.
 
 The frames are ``traffic.flood_sender``'s (``video_size`` bytes each,
 modality video, one datagram each, paced at ``flood_factor`` x the link
-rate from a socket with a large send buffer, never bursting to catch up), but
-handed to the kernel up to 46 at a time with UDP segmentation offload
-(``UDP_SEGMENT``): one ``send`` of 46 frames laid end to end, cut by the
-kernel into 46 datagrams of ``video_size`` bytes, each a whole frame with its
-own header.  The same packets on the wire at 1/46 of the system calls: on a
-small machine that also runs the whole pipeline and three qosd, a Python loop
-of ~9000 sends a second is starved of CPU and the flood falls short of its
-rate.  Where the option is missing, one send per frame.
+rate from a socket with a large send buffer), but handed to the kernel
+``BATCH`` at a time with UDP segmentation offload (``UDP_SEGMENT``): one
+``send`` of 8 frames laid end to end, cut by the kernel into 8 datagrams of
+``video_size`` bytes, each a whole frame with its own header.  The same
+packets on the wire at 1/8 of the system calls.  (Not more: the qdisc sees
+the batch as one packet of 8 frames until the device cuts it, and HTB
+schedules it as one; 64 KB batches leave gaps in the flood's hold on the
+link that voice borrows through.)  The flood stands for
+traffic from other machines, so its rate must not depend on this one's CPU:
+the process runs under SCHED_FIFO (it sleeps between batches and needs
+little), and a batch due while it waited for the CPU is still sent (up to
+``MAX_LAG_S`` behind).  On a small machine that also runs the whole pipeline
+and three qosd, a Python loop of ~9000 sends a second falls short of its
+rate and its windows swing by more than the controller's "load eased"
+threshold.  Where the option is missing, one send per frame.
 
 The windows reported (stage ``video-flood``, class video: the frames it sent;
 0 outside the flood; no latency, the sender does not know it) let the
@@ -34,13 +41,15 @@ FLOOD_STAGE = "video-flood"
 SOL_UDP = getattr(socket, "SOL_UDP", 17)
 UDP_SEGMENT = 103  # linux/udp.h
 MAX_GSO_BYTES = 65_000  # a UDP payload is at most 65507 bytes
-MAX_LAG_S = 0.02  # behind by more: skip ahead, never burst to catch up
+BATCH = 8  # frames a send (see the module doc)
+MAX_LAG_S = 0.25  # behind by more: skip ahead (what is queued already covers it)
 
 
 class GsoFlood:
     """Paced MMH video frames to ``dst:port`` in batches (see the module doc)."""
 
-    def __init__(self, dst: str, port: int, spec: TrafficSpec, sndbuf: int = 8 << 20) -> None:
+    def __init__(self, dst: str, port: int, spec: TrafficSpec, sndbuf: int = 8 << 20,
+                 batch: int = BATCH) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:  # queued packets count against the socket: let the qdisc fill instead
             self.sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, sndbuf)
@@ -49,7 +58,7 @@ class GsoFlood:
         self.sock.connect((dst, port))
         tpl = FrameTemplate(video_header(spec), spec.video_size)
         self.size = len(tpl.buf)
-        self.batch = max(1, min(64, MAX_GSO_BYTES // self.size))
+        self.batch = max(1, min(batch, 64, MAX_GSO_BYTES // self.size))
         try:
             self.sock.setsockopt(SOL_UDP, UDP_SEGMENT, self.size)
         except OSError:
@@ -98,6 +107,9 @@ def reporting_flood(ctl: Ctl, dst: str, port: int, spec: TrafficSpec, start_wall
     stage ``video-flood``, class video (the frames it sent)."""
     import httpx
 
+    from .pipeline_procs import realtime
+
+    rt = realtime()
     flood = GsoFlood(dst, port, spec)
     sent = refused = posted = failed = 0
     flooded = 0.0
@@ -130,7 +142,7 @@ def reporting_flood(ctl: Ctl, dst: str, port: int, spec: TrafficSpec, start_wall
         flood.close()
     return {"sent": sent + refused, "sent_ok": sent, "send_errors": refused,
             "bytes": sent * flood.size, "seconds": max(flooded, 1e-9),
-            "target_pps": spec.flood_pps, "batch": flood.batch,
+            "target_pps": spec.flood_pps, "batch": flood.batch, "realtime": rt,
             "reports_posted": posted, "reports_failed": failed}
 
 

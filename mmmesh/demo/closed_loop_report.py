@@ -2,9 +2,9 @@
 are :mod:`.closed_loop_show`'s).
 
 Windows are the stages' own SLA windows (one a ``window_s``), each placed in
-its run's timeline by its middle (quiet, flood, after) and numbered from 1
-within its phase; the off and on runs share the timeline, so window ``i`` of
-a phase is compared with window ``i`` of the same phase.  The parameters of a
+its run's timeline by its middle (warm-up, quiet, flood, after) and numbered
+from 1 within its phase by position; the off and on runs share the timeline,
+so window ``i`` of a phase is compared with window ``i`` of the same phase.  The parameters of a
 window are the kernel's at its end.  The figures, as the simulator's
 (``mmmesh.controller.sim``) with the kernel's changes in place of its rows:
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import Counter
 from typing import Any
 
 from .closed_loop import STAGES, WATCH, ClosedLoopConfig
@@ -68,12 +67,15 @@ def same_params(kernel: dict[str, int] | None, policy: dict[str, int]) -> bool:
     return True
 
 
-def _phase_of(run: dict[str, Any], t: float) -> str | None:
+def _phase_of(run: dict[str, Any], t: float, w: float) -> tuple[str, int] | None:
+    """The phase holding time ``t`` and the window's number in it (from 1, by
+    position: a window missing from the board leaves its number out)."""
     if t < run["t0"] or t > run["end"]:
         return None
-    if t < run["start"]:
-        return "warm"
-    return "quiet" if t < run["flood_from"] else "flood" if t < run["flood_to"] else "after"
+    starts = (("warm", run["t0"]), ("quiet", run["start"]), ("flood", run["flood_from"]),
+              ("after", run["flood_to"]))
+    phase, begin = next((p, b) for p, b in reversed(starts) if t >= b)
+    return phase, int((t - begin) // w) + 1
 
 
 def _nearest(windows: list[dict[str, Any]], end: float, within: float) -> dict[str, Any] | None:
@@ -97,13 +99,13 @@ def rows_of(cfg: ClosedLoopConfig, run: dict[str, Any]) -> list[dict[str, Any]]:
     by_class = {c: sorted((w for w in obs.windows if w["stage"] == s and w["class"] == c),
                           key=lambda w: w["end"]) for c, s in STAGES.items()}
     rows: list[dict[str, Any]] = []
-    count: Counter[str] = Counter()
+    seen: set[tuple[str, int]] = set()
     for w in by_class[WATCH]:
-        phase = _phase_of(run, w["end"] - w["window_s"] / 2)
-        if phase is None or w["window_s"] < 0.5 * cfg.window_s:
+        at = _phase_of(run, w["end"] - w["window_s"] / 2, cfg.window_s)
+        if at is None or w["window_s"] < 0.5 * cfg.window_s or at in seen:
             continue
-        count[phase] += 1
-        row: dict[str, Any] = {"phase": phase, "i": count[phase],
+        seen.add(at)
+        row: dict[str, Any] = {"phase": at[0], "i": at[1],
                                "t": round(w["end"] - run["flood_from"], 2)}
         for c in CLASSES:
             near = w if c == WATCH else _nearest(by_class[c], w["end"], cfg.window_s / 2)
