@@ -12,15 +12,19 @@
   /tmp, ...).  The ExecStartPre must make the pin root (the container gets a
   fresh bpffs, as systemd mounts at boot); qosd must compile, load and pin the
   BPF programs, build the HTB tree in a named network namespace, serve its
-  sockets with the right modes and its metrics on TCP, be restarted
-  (adopting the pins) and stop cleanly.  The
-  drop-in turns a denied system call into SIGSYS (the unit says EPERM), so a
-  call the filter misses kills qosd instead of failing quietly.
+  sockets with the right modes and its metrics on TCP, host the socket
+  layer (sockops + sk_msg attached to a scratch cgroup v2 through the
+  read-only /sys/fs/cgroup of ProtectControlGroups=, pinned under
+  /sys/fs/bpf/mmmesh/sock), be restarted (adopting the pins of both) and
+  stop cleanly.  The drop-in turns a denied system call into SIGSYS (the
+  unit says EPERM), so a call the filter misses kills qosd instead of
+  failing quietly.
 
-Nothing outside the container is changed but a cgroup directory of its own
-(removed afterwards) and the test's network namespaces; the container's /run,
-/var/lib, /etc and bpffs are its own (tmpfs, overlay, a new bpffs), so no
-host file or pin is touched.
+Nothing outside the container is changed but a cgroup directory of its own,
+the socket layer's scratch cgroup (both removed afterwards, which releases
+the programs attached to the scratch one) and the test's network
+namespaces; the container's /run, /var/lib, /etc and bpffs are its own
+(tmpfs, overlay, a new bpffs), so no host file or pin is touched.
 """
 
 from __future__ import annotations
@@ -29,16 +33,19 @@ import os
 import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import yaml
 
 from tests.conftest import require_privileged, veth_pair
+from tests.socklayer_kit import connect, frame, inside, listener, read_frames, scratch_cgroup
 from tests.test_qosd import EXAMPLE, VENV_BIN, free_port, policy_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -302,7 +309,8 @@ class ContainedSystemd:
     def wait_active(self, timeout: float = 45) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            state = self.show("ActiveState")["ActiveState"] if self.pid1 else ""
+            # "": systemd is not answering on its bus yet
+            state = self.show("ActiveState").get("ActiveState", "") if self.pid1 else ""
             if state == "active":
                 return
             if state == "failed":
@@ -368,32 +376,98 @@ def mounts_of(pid: int) -> dict[str, tuple[str, str]]:
     return out
 
 
+class Contained(NamedTuple):
+    sd: ContainedSystemd
+    ns: str  # the named netns of the uplink
+    metrics: str  # host:port
+    cgroup: str  # the socket layer's scratch cgroup v2 (absolute)
+    cgroup_rel: str  # ... below the cgroup v2 mount, as qosd.yaml names it
+    listener: socket.socket  # the socket layer's endpoint, made inside the cgroup
+    port: int
+
+
 @pytest.fixture()
-def contained(tmp_path: Path) -> Iterator[tuple[ContainedSystemd, str, str]]:
+def contained(tmp_path: Path) -> Iterator[Contained]:
+    """qosd under the unit, its uplink in a named netns and the socket layer
+    on a scratch cgroup v2 of the host's hierarchy (the container shares it:
+    systemd 252 gives services no cgroup namespace).  The cgroup is removed
+    after the container is gone, which releases the programs attached to it
+    (their pins were in the container's bpffs)."""
     require_privileged()
     for tool in ("unshare", "nsenter", "findmnt"):
         assert shutil.which(tool), f"{tool} (util-linux) is missing"
-    with veth_pair(f"mmu{os.getpid() % 100000}", "10.83.0") as (a, _b):
+    with veth_pair(f"mmu{os.getpid() % 100000}", "10.83.0") as (a, _b), \
+            scratch_cgroup("unit") as (cg, rel):
+        with inside(cg):  # accepted sockets belong to their listener's cgroup
+            ls, port = listener()
         metrics = f"127.0.0.1:{free_port()}"
-        sd = ContainedSystemd(tmp_path, {"node_name": "unit-test", "netns": a,
-                                         "metrics_addr": metrics, "resync_interval_s": 1.0})
+        sd = ContainedSystemd(tmp_path, {
+            "node_name": "unit-test", "netns": a, "metrics_addr": metrics,
+            "resync_interval_s": 1.0,
+            "socket_layer": {"enabled": True, "cgroup": rel, "stages": [{
+                "name": "asr", "id": 2, "endpoints": [
+                    {"address": "127.0.0.1", "port": port, "replica": 0}]}]}})
         try:
             sd.start()
-            yield sd, a, metrics
+            yield Contained(sd, a, metrics, cg, rel, ls, port)
         finally:
             sd.stop()
+            ls.close()
+
+
+AUDIO = 4  # mmmesh._abi.Modality.AUDIO
+
+
+def status_of(run: Path) -> dict[str, Any]:
+    import httpx
+
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(run / "qosd.sock")),
+                      base_url="http://qosd", timeout=30) as c:
+        return c.get("/v1/status").json()  # type: ignore[no-any-return]
+
+
+def socket_layer_up(ct: Contained, run: Path, *, adopted: bool) -> tuple[str, dict[str, int]]:
+    """The socket layer as qosd's status says it is (up on the scratch cgroup,
+    loaded or adopted) and as the kernel says: the programs pinned in the
+    container's bpffs are the ones attached to the cgroup (BPF_PROG_QUERY on
+    it, sk_msg on the sockhash).  (pin dir, program ids)."""
+    from mmmesh.dataplane import _sock
+
+    st = status_of(run)["socket_layer"]
+    assert st["enabled"] and st["error"] is None and st["loaded"], f"{st}\n{ct.sd.diagnostics()}"
+    assert st["adopted"] is adopted and st["cgroup"] == ct.cgroup, st
+    assert st["attached"] == {"sockops": True, "sk_msg": True} and st["endpoints"] == 1, st
+    pin_dir = st["pin_dir"]
+    assert pin_dir.startswith("/sys/fs/bpf/mmmesh/sock/"), pin_dir
+    with _sock.Attachment(str(ct.sd.root(pin_dir)), ct.cgroup) as att:
+        assert att.attached() == {"sockops": True, "sk_msg": True}
+        assert dict(att.ids) == st["prog_ids"] and all(att.ids.values()), (att.ids, st)
+    return pin_dir, st["prog_ids"]
+
+
+def connected(ct: Contained) -> tuple[socket.socket, socket.socket]:
+    """A connection to the endpoint made inside the cgroup: registered by the
+    sockops program qosd attached, its frame counted by sk_msg."""
+    run = ct.sd.root("/run/mmmesh")
+    with inside(ct.cgroup):
+        c, s = connect(ct.listener, ct.port)
+    c.sendall(frame(AUDIO, 100, seq=0))
+    assert [h.sequence for h, _ in read_frames(s, 1)] == [0]
+    st = status_of(run)["socket_layer"]
+    assert st["flows"] >= 2 and st["modalities"]["audio"]["frames"] >= 1, st
+    return c, s
 
 
 @pytest.mark.privileged
 @pytest.mark.timeout(180)
-def test_qosd_works_under_the_unit(contained: tuple[ContainedSystemd, str, str]) -> None:
+def test_qosd_works_under_the_unit(contained: Contained) -> None:
     import httpx
 
-    from mmmesh.dataplane import Dataplane
+    from mmmesh.dataplane import Dataplane, _sock
     from mmmesh.dataplane._maps import Maps
     from mmmesh.dataplane._pins import pinned_prog_ids
 
-    sd, ns, metrics = contained
+    sd, ns, metrics = contained.sd, contained.ns, contained.metrics
     sd.wait_active()
     pid = sd.qosd_pid()
 
@@ -416,6 +490,8 @@ def test_qosd_works_under_the_unit(contained: tuple[ContainedSystemd, str, str])
         assert m[path][0].startswith("rw"), path
     assert "/proc/kallsyms" in m and m["/proc/sys"][0].startswith("ro")
     assert m["/dev"][1] == "tmpfs"  # PrivateDevices
+    cgroup2 = _sock.cgroup2_mount(f"/proc/{pid}/mountinfo")
+    assert m[cgroup2][0].startswith("ro")  # ProtectControlGroups; the socket layer attaches there
     show = sd.show("SystemCallErrorNumber", "NRestarts")
     assert show == {"SystemCallErrorNumber": "2147483646", "NRestarts": "0"}  # kill, not EPERM
 
@@ -424,6 +500,11 @@ def test_qosd_works_under_the_unit(contained: tuple[ContainedSystemd, str, str])
     assert stat.S_IMODE(run.stat().st_mode) == 0o755
     assert stat.S_IMODE((run / "qosd.sock").stat().st_mode) == 0o600
     assert stat.S_IMODE((run / "sla.sock").stat().st_mode) == 0o666
+
+    # the socket layer: loaded, pinned under /sys/fs/bpf/mmmesh and attached to
+    # the scratch cgroup through the read-only /sys/fs/cgroup (ProtectControlGroups)
+    sl, sl_ids = socket_layer_up(contained, run, adopted=False)
+    c, s = connected(contained)
 
     # an apply compiles, loads and pins (bcc + clang in the child) and builds HTB in the netns
     client = httpx.Client(transport=httpx.HTTPTransport(uds=str(run / "qosd.sock")),
@@ -450,6 +531,14 @@ def test_qosd_works_under_the_unit(contained: tuple[ContainedSystemd, str, str])
     assert done.returncode == 0, sd.diagnostics()
     sd.wait_active()
     assert pinned_prog_ids(str(pins)) == ids  # a new load would have new ids
+    # ... and the socket layer's: same programs, same pins, the connection goes on
+    assert socket_layer_up(contained, run, adopted=True) == (sl, sl_ids)
+    c.sendall(frame(AUDIO, 100, seq=1))
+    assert [h.sequence for h, _ in read_frames(s, 1)] == [1]
+    st = status_of(run)["socket_layer"]
+    assert st["modalities"]["audio"]["frames"] >= 2, st  # the same counters
+    c.close()
+    s.close()
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(run / "qosd.sock")),
                       base_url="http://qosd", timeout=120) as c:
         r = c.put("/v1/policy", json={"yaml": policy_yaml(drop="lidar"), "base_version": 1})
