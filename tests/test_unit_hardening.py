@@ -504,7 +504,7 @@ def test_qosd_works_under_the_unit(contained: Contained) -> None:
     # the socket layer: loaded, pinned under /sys/fs/bpf/mmmesh and attached to
     # the scratch cgroup through the read-only /sys/fs/cgroup (ProtectControlGroups)
     sl, sl_ids = socket_layer_up(contained, run, adopted=False)
-    c, s = connected(contained)
+    mc, ms = connected(contained)  # client, server
 
     # an apply compiles, loads and pins (bcc + clang in the child) and builds HTB in the netns
     client = httpx.Client(transport=httpx.HTTPTransport(uds=str(run / "qosd.sock")),
@@ -533,12 +533,12 @@ def test_qosd_works_under_the_unit(contained: Contained) -> None:
     assert pinned_prog_ids(str(pins)) == ids  # a new load would have new ids
     # ... and the socket layer's: same programs, same pins, the connection goes on
     assert socket_layer_up(contained, run, adopted=True) == (sl, sl_ids)
-    c.sendall(frame(AUDIO, 100, seq=1))
-    assert [h.sequence for h, _ in read_frames(s, 1)] == [1]
+    mc.sendall(frame(AUDIO, 100, seq=1))
+    assert [h.sequence for h, _ in read_frames(ms, 1)] == [1]
     st = status_of(run)["socket_layer"]
     assert st["modalities"]["audio"]["frames"] >= 2, st  # the same counters
-    c.close()
-    s.close()
+    mc.close()
+    ms.close()
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(run / "qosd.sock")),
                       base_url="http://qosd", timeout=120) as c:
         r = c.put("/v1/policy", json={"yaml": policy_yaml(drop="lidar"), "base_version": 1})
