@@ -15,20 +15,28 @@ under-provisions voice: a priority below video and a rate below its load):
 2. the controller **on**: the sensors node's qosd steps it once a window on
    the global SLA view and writes what it decides to the uplink's HTB.
 
-Each run: ``quiet`` windows of the pipeline alone, ``flood`` windows with the
+Each run: ``warm`` windows of the pipeline starting up under the policy
+without objectives (:func:`warmup_policy`: nothing for the controller to
+keep), the demo's policy applied through qosd (same HTB values, reconciled in
+place), ``quiet`` windows of the pipeline alone, ``flood`` windows with the
 video flood on the sensors' uplink, then ``after`` windows without it.  The
 stages report a window every ``window_s`` (the controller's period too); the
 microphone sends a 50 ms chunk every 10 ms (``per_tick``), so that a window
-holds the frames the controller needs to judge it (``Law.min_frames``).  The
-flood reports its own windows (:func:`.closed_loop_observe.reporting_flood`).
+holds the frames the controller needs to judge it (``Law.min_frames``), each
+carrying voice's p99 objective as its deadline.  The microphone and the
+audio front end run under SCHED_FIFO (``realtime_voice``).  The flood
+reports its own windows (:mod:`.closed_loop_flood`).
 
 What is measured, the same way in both runs: per class, the stages' own SLA
 windows as the edge node's qosd holds them (``GET /v1/sla``: the audio front
 end for voice, the vision and LiDAR encoders for video and LiDAR: latency
 from capture to the stage's output, attainment = frames within their
 deadline); the parameters are the kernel's, read through the sensors
-node's qosd (``GET /v1/status``).  The figures and the table are
-:mod:`.closed_loop_report`'s.  Needs root.
+node's qosd (``GET /v1/status``); the controller's windows through its
+explain (:mod:`.closed_loop_observe`).  The figures are
+:mod:`.closed_loop_report`'s, the table and plot :mod:`.closed_loop_show`'s;
+docs/controller.md, "The closed-loop demo", says why each setting is what it
+is.  Needs root.
 """
 
 from __future__ import annotations
