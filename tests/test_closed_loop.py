@@ -266,22 +266,24 @@ def test_the_closed_loop_demo_moves_voice_within_its_bounds_only_when_on(
     policy = load(ClosedLoopConfig())
     voice = policy.class_named("voice")
     assert voice.adapt is not None
-    ranges = {"rate": tuple(int(r) for r in voice.adapt.rate),
-              "weight": tuple(int(w) for w in voice.adapt.weight)}
+    rate_lo, rate_hi = (int(r) for r in voice.adapt.rate)
+    weight_lo, weight_hi = (int(w) for w in voice.adapt.weight)
+    ranges = {"rate": (rate_lo, rate_hi), "weight": (weight_lo, weight_hi)}
     on = res["runs"]["on"]
     moved = {c["knob"] for c in on["changes"] if c["class"] == "voice" and c["new"] > c["old"]}
     assert moved == {"rate", "weight"}, on["changes"]
     for c in on["changes"]:
         assert c["class"] == "voice" and c["knob"] in ranges, c
-        assert _within(c["new"], *ranges[c["knob"]], c["knob"]), c
+        lo, hi = ranges[c["knob"]]
+        assert _within(c["new"], lo, hi, c["knob"]), c
     assert 0 < res["max_step"] <= 0.5 + 1e-9  # a step is at most half the policy value
     assert on["decisions"] and all(d["class"] == "voice" for d in on["decisions"])
     assert any(row.get("verdict") == "miss" for row in on["controller"]), on["controller"]
 
     # nothing left behind: namespaces, processes, the run's temporary directory
-    m = re.search(r"admin sockets under (\S+)/(?:off|on)\)", cap.err)
-    assert m, cap.err[-2000:]
-    tmp = m.group(1)
+    found = re.search(r"admin sockets under (\S+)/(?:off|on)\)", cap.err)
+    assert found, cap.err[-2000:]
+    tmp = found.group(1)
     assert tmp.startswith(str(run_dir)) and not Path(tmp).exists()
     netns, procs = _leftovers(f"mmp{os.getpid()}-", tmp)
     assert not netns and not procs, (netns, procs)

@@ -144,7 +144,7 @@ def settle_windows(changes: list[Change], flood_from: float, flood_to: float,
     """From the flood's start, counted from 1, the first window that runs on
     the parameters that then hold until the flood stops: the window after the
     one holding the last change made during the flood (1 when none was)."""
-    during = [c["t"] for c in changes if flood_from <= c["t"] < flood_to]
+    during = [float(c["t"]) for c in changes if flood_from <= c["t"] < flood_to]
     if not during:
         return 1
     return max(1, math.ceil((max(during) - flood_from) / window_s) + 1)
@@ -199,8 +199,9 @@ def back_to_policy_windows(initial: Params, changes: list[Change], policy: Param
     if at_policy(flood_to):
         return 0
     for c in sorted(changes, key=lambda c: c["t"]):
-        if c["t"] > flood_to and at_policy(c["t"]):
-            return math.ceil((c["t"] - flood_to) / window_s)
+        t = float(c["t"])
+        if t > flood_to and at_policy(t):
+            return math.ceil((t - flood_to) / window_s)
     return None
 
 
@@ -251,7 +252,8 @@ def figures(cfg: ClosedLoopConfig, policy: Any, runs: dict[str, Any]) -> dict[st
 def _meets(v: Any, op: str, target: float) -> bool | None:
     if v is None:
         return None
-    return {"<=": v <= target, ">=": v >= target, "<": v < target, "==": v == target}[op]
+    return bool({"<=": v <= target, ">=": v >= target, "<": v < target,
+                 "==": v == target}[op])
 
 
 def _side_by_side(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
