@@ -103,6 +103,22 @@ def test_miss_steps_up_to_the_bounds_and_no_further() -> None:
     assert all(d.classes["video"] == r.decisions[0].classes["video"] for d in r.decisions)
 
 
+def test_a_step_that_rounded_down_stops_short_of_the_top_without_a_1_bit_raise() -> None:
+    """Voice at 2,400,001 bit/s with a range to twice that: a step is 1,200,000
+    (rounded down), so two steps end 2 bits below the top; a further miss must
+    not raise it by those bits (a kernel write and a blackout for nothing)."""
+    doc = EXAMPLE.model_dump(mode="json", by_alias=True, exclude_none=True)
+    (voice,) = [c for c in doc["classes"] if c["name"] == "voice"]
+    voice.update(rate=2_400_001, adapt={"rate": [2_400_001, 4_800_002]})
+    r = Run(parse_policy(doc))
+    r.run(20, {"voice": MISS, "video": BUSY})
+    rate = r.series("voice", "rate")
+    assert sorted(set(rate)) == [2_400_001, 3_600_001, 4_800_001]
+    assert r.changes("voice") == [1, 3]
+    voice_x = next(c for c in r.ctrl.explain()["classes"] if c["class"] == "voice")
+    assert voice_x["note"] == "missing, at the top of its ranges"
+
+
 def test_a_class_without_ranges_is_only_explained() -> None:
     policy = parse_policy(EXAMPLE.to_yaml().replace(
         "  adapt:\n    rate:\n    - 1.2mbit\n    - 4.8mbit\n    weight:\n    - 3\n    - 10\n",

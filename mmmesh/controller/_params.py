@@ -17,7 +17,7 @@ from typing import Any
 from ..policy import QUANTUM_UNIT, Objective, Policy
 from ..policy._adapt import KNOBS, bounds, policy_values
 from ..policy._types import format_rate
-from ._law import Law, step_of
+from ._law import KILOBIT, Law, step_of
 
 # Which way is "more privileged" for each knob: up for rates and weight, down for prio.
 SIGN = {"rate": 1, "ceil": 1, "weight": 1, "priority": -1}
@@ -88,9 +88,13 @@ class ClassSpec:
         return lo < hi
 
     def can_raise(self, knob: str, value: int) -> bool:
-        """True if ``value`` can still move toward privilege within the range."""
+        """True if ``value`` can still move toward privilege within the range by
+        at least one unit of the knob (a kilobit of rate or ceil: a step that
+        rounded down may stop a few bits short of the top, and a raise of those
+        bits would cost a kernel write and a blackout for nothing)."""
         lo, hi = self.ranges[knob]
-        return value < hi if SIGN[knob] > 0 else value > lo
+        unit = KILOBIT if knob in ("rate", "ceil") else 1
+        return value + unit <= hi if SIGN[knob] > 0 else value - unit >= lo
 
 
 def specs(policy: Policy, law: Law) -> dict[str, ClassSpec]:
