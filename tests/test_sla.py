@@ -9,7 +9,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import numpy as np
@@ -402,7 +402,7 @@ class FakeQosd:
 
         self.server = api.bind_uds(app, path)
 
-    def __enter__(self) -> FakeQosd:
+    def __enter__(self) -> Self:
         self.server.start_thread()
         return self
 
@@ -501,6 +501,81 @@ def test_reporter_survives_qosd_errors(tmp_path: Path, caplog: pytest.LogCapture
                 if r.name == "sidecar.sla" and r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "HTTP 500" in warnings[0]
     assert rec.reports_failed >= 3
+
+
+class ClosingQosd:
+    """A unix socket server that reads each request whole and, for the first
+    ``close_first`` connections, closes without answering (a kept-alive
+    connection qosd closed just as the report went out); then answers 200."""
+
+    def __init__(self, path: Path, close_first: int) -> None:
+        import socket as so
+
+        self.close_first, self.requests, self.closed = close_first, 0, 0
+        self.sock = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(8)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = next((int(ln.split(b":")[1]) for ln in head.split(b"\r\n")
+                               if ln.lower().startswith(b"content-length:")), 0)
+                while len(body) < length:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    body += chunk
+                self.requests += 1
+                if self.closed < self.close_first:
+                    self.closed += 1
+                    continue  # closed without an answer
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: 11\r\nconnection: close\r\n\r\n{\"ok\": true}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("close_first, taken, retried, failed", [(1, True, 1, 0),
+                                                                   (2, False, 1, 1)])
+def test_reporter_sends_once_more_on_a_connection_closed_without_an_answer(
+        tmp_path: Path, close_first: int, taken: bool, retried: int, failed: int) -> None:
+    """One retry on a new connection (qosd closes a connection idle for 5 s,
+    which raced a sidecar reporting every 5 s: one window in five was lost);
+    never more than one, and the failure is counted."""
+    from sidecar.sla.reporter import KEEPALIVE_S, QosdReporter
+
+    assert KEEPALIVE_S < 5.0  # below qosd's keep-alive timeout (qosd/api/http11.py)
+    server = ClosingQosd(tmp_path / "q.sock", close_first)
+    rep = QosdReporter(tmp_path / "q.sock", interval_s=1.0)
+
+    async def main() -> bool:
+        rep.open()
+        try:
+            return await rep.post({"stage": "asr", "reports": []})
+        finally:
+            await rep.aclose()
+
+    try:
+        assert asyncio.run(asyncio.wait_for(main(), 10)) is taken
+    finally:
+        server.close()
+    assert (rep.retried, rep.failed, rep.sent) == (retried, failed, int(taken))
+    assert server.requests == 2
 
 
 def test_no_qosd_socket_still_rolls_windows() -> None:

@@ -77,6 +77,9 @@ def reports_by_stage(series: list[tuple[Key, Window]], window_s: float, *, insta
             for stage, reps in by_stage.items()]
 
 
+KEEPALIVE_S = 1.0  # reuse a connection to qosd only this long after its last use
+
+
 class QosdReporter:
     """POSTs report bodies to qosd's unix socket ``path``; counts what was
     taken (``sent``) and what was not (``failed``)."""
@@ -86,6 +89,7 @@ class QosdReporter:
         self.interval_s = interval_s
         self.sent = 0
         self.failed = 0
+        self.retried = 0  # reports sent again after a closed kept-alive connection
         self._failing: str | None = None  # the kind of failure while qosd refuses / is away
         self._client: httpx.AsyncClient | None = None
 
@@ -95,8 +99,12 @@ class QosdReporter:
 
     def open(self) -> None:
         if self._client is None:
+            # qosd closes a connection idle for 5 s (qosd/api/http11.py): reuse one
+            # only within KEEPALIVE_S of its last answer, well before that
             self._client = httpx.AsyncClient(
-                transport=httpx.AsyncHTTPTransport(uds=str(self.path)),
+                transport=httpx.AsyncHTTPTransport(
+                    uds=str(self.path),
+                    limits=httpx.Limits(max_connections=1, keepalive_expiry=KEEPALIVE_S)),
                 base_url="http://qosd", timeout=max(0.5, min(5.0, self.interval_s)),
                 headers={"user-agent": "mmmesh-sidecar"},
             )
@@ -112,7 +120,13 @@ class QosdReporter:
         if self._client is None:
             return False
         try:
-            r = await self._client.post(SLA_PATH, json=body)
+            try:
+                r = await self._client.post(SLA_PATH, json=body)
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                # a kept-alive connection qosd closed as we sent on it: once more on
+                # a new one (a report replaces its own window: a repeat is harmless)
+                self.retried += 1
+                r = await self._client.post(SLA_PATH, json=body)
         except httpx.HTTPError as e:
             self._failed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
                          kind=type(e).__name__)
