@@ -23,7 +23,7 @@ split its latency into sender / qdisc / wire / receiver (``mmmesh.demo.voice``).
 default (~1 MTU, as before issue 10 item 6) and of the product
 (``HTB_BURST_US``), each without and with pinning: before/after in one session;
 ``--variants`` picks any of those and of the other levers (leaf queues of 10 or
-1000 packets, 250 us or 4 ms buckets).  Each run records the load average.
+1000 packets, 250 us or 4 ms buckets, no LiDAR stream).  Each run records the load average.
 iperf3 runs the configurations interleaved (``--iperf-reps`` rounds, order
 rotated each round; server and client pinned to CPUs 0 and 1) and takes the
 median of the per-round ratios: single rounds vary by ~5 % on a 2-vCPU VM
@@ -74,11 +74,13 @@ class Variant:
     burst_us: int  # HTB bucket time (_compile.HTB_BURST_US); 0: the kernel's ~1 MTU
     pin: bool  # voice endpoints on CPU 0, bulk endpoints on CPU 1
     leaf_limit: int | None = None  # packets per leaf queue; None: the product's
+    lidar: bool = True  # the LiDAR stream (TCP, GSO) beside the video flood
 
     def describe(self) -> str:
         return (f"HTB buckets {f'{self.burst_us} us' if self.burst_us else 'kernel default'}, "
                 f"{'pinned' if self.pin else 'unpinned'}"
-                f"{'' if self.leaf_limit is None else f', leaf queues {self.leaf_limit}'}")
+                f"{'' if self.leaf_limit is None else f', leaf queues {self.leaf_limit}'}"
+                f"{'' if self.lidar else ', no LiDAR'}")
 
 
 # --matrix: the kernel's default buckets (as before issue 10 item 6) and the
@@ -87,17 +89,18 @@ US = _compile.HTB_BURST_US
 VARIANTS = {"before": Variant(0, False), "buckets": Variant(US, False),
             "pinned": Variant(0, True), "after": Variant(US, True)}
 EXTRA_VARIANTS = {"leaf10": Variant(US, True, 10), "leaf1000": Variant(US, True, 1000),
-                  "b250": Variant(250, True), "b4000": Variant(4000, True)}
+                  "b250": Variant(250, True), "b4000": Variant(4000, True),
+                  "nolidar": Variant(US, True, lidar=False)}
 
 
 # --------------------------------------------------------------------------
 # (a), (b), (d): the demo scenario
 # --------------------------------------------------------------------------
-def _traffic(pin: bool, tx_ts: bool) -> dict[str, Any]:
+def _traffic(v: Variant, tx_ts: bool) -> dict[str, Any]:
     """TrafficSpec overrides: voice endpoints on CPU 0, bulk ones on CPU 1."""
     two = (os.cpu_count() or 1) >= 2
-    return {"voice_tx_ts": tx_ts, "voice_cpu": 0 if pin and two else None,
-            "bulk_cpu": 1 if pin and two else None}
+    return {"voice_tx_ts": tx_ts, "voice_cpu": 0 if v.pin and two else None,
+            "bulk_cpu": 1 if v.pin and two else None, "lidar": v.lidar}
 
 
 def _htb_mbit_s(res: dict[str, Any]) -> float | None:
@@ -124,8 +127,9 @@ def _record(res: dict[str, Any]) -> dict[str, Any]:
         on_over_alone=s["voice_p99_on_over_unloaded"], off_over_on=s["voice_p99_off_over_on"],
         kernel_off_over_on=s["voice_kernel_p99_off_over_on"],
         video_mbit_s_on=ph["on"]["video"]["mbit_s"],
-        link_mbit_s_on=ph["on"]["video"]["mbit_s"] + ph["on"]["lidar"]["mbit_s"],
-        lidar_p99_off_ms=ph["off"]["lidar"]["p99_ms"], lidar_p99_on_ms=ph["on"]["lidar"]["p99_ms"],
+        link_mbit_s_on=ph["on"]["video"]["mbit_s"] + ph["on"].get("lidar", {}).get("mbit_s", 0),
+        lidar_p99_off_ms=ph["off"].get("lidar", {}).get("p99_ms"),
+        lidar_p99_on_ms=ph["on"].get("lidar", {}).get("p99_ms"),
         video_overlimits_on=(ph["on"].get("classes") or {}).get("video", {}).get("htb_overlimits"),
         htb_mbit_s_on=_htb_mbit_s(res),
         htb_on=ph["on"].get("classes"), breakdown=s.get("voice_breakdown"),
@@ -170,7 +174,7 @@ def qos_runs(runs: int, rate: int, duration: float, progress: report.Progress,
 
             with _configured(v):
                 res = run_demo(DemoConfig(rate_bps=rate, duration=duration,
-                                          traffic=_traffic(v.pin, tx_ts)), step)
+                                          traffic=_traffic(v, tx_ts)), step)
             out.append({"variant": name, "load": os.getloadavg(), **_record(res)})
     return out
 

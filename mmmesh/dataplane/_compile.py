@@ -47,12 +47,14 @@ def src_key(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> _abi.SrcKey:
 
 # HTB token buckets.  The kernel's default bucket (tc's and pyroute2's
 # rate/HZ + 1600 B, with HZ = 10^9 on high-resolution timers) holds one MTU:
-# a class that sends near its ceil is throttled after every packet, waits for
-# the qdisc watchdog each time, and loses the link whenever the watchdog fires
-# late.  The link class's buckets and every leaf's ceil bucket hold
-# HTB_BURST_US at their rate instead (docs/benchmarks.md, "Voice at the kernel
-# timestamp").  It is also the most the link class hands the device at once
-# after an idle spell; leaves keep the default rate bucket.  0: kernel default.
+# a class that sends near its ceil is throttled after every packet or two,
+# and each throttle is a qdisc watchdog timer interrupt and a NET_TX softirq
+# on whichever CPU armed it (a latency-sensitive sender's too).  The link
+# class's buckets and every leaf's ceil bucket hold HTB_BURST_US at their
+# rate instead: half the throttles under a flood (docs/benchmarks.md, "Voice
+# at the kernel timestamp").  It is also the most the link class hands the
+# device at once after an idle spell; leaves keep the default rate bucket, so
+# guarantees are paced as before.  0: the kernel's default.
 HTB_BURST_US = 1000
 HTB_MIN_BURST = 1600  # bytes: the kernel default's floor
 
