@@ -109,10 +109,10 @@ def _htb_mbit_s(res: dict[str, Any]) -> float | None:
     with."""
     classes = res["phases"]["on"].get("classes")
     t = res.get("config", {}).get("traffic", {})
-    secs = t.get("warmup", 0) + t.get("duration", 0)
+    secs = float(t.get("warmup", 0) + t.get("duration", 0))
     if not classes or secs <= 0:
         return None
-    return sum(c.get("htb_bytes", 0) for c in classes.values()) * 8 / secs / 1e6
+    return float(sum(c.get("htb_bytes", 0) for c in classes.values())) * 8 / secs / 1e6
 
 
 def _record(res: dict[str, Any]) -> dict[str, Any]:

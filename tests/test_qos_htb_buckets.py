@@ -14,10 +14,11 @@ import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from mmmesh.policy import load_policy, parse_policy
+from mmmesh.policy import Policy, load_policy, parse_policy
 from tests.conftest import require_privileged, veth_pair
 
 pytestmark = pytest.mark.privileged
@@ -27,7 +28,7 @@ EXAMPLE = load_policy(ROOT / "examples" / "policy.yaml")
 RATE = 300_000_000
 
 
-def _policy():  # type: ignore[no-untyped-def]
+def _policy() -> Policy:
     data = EXAMPLE.model_dump(mode="json", by_alias=True)
     data["link"] = {"device": "a0", "rate": str(RATE)}
     return parse_policy(data)
@@ -78,6 +79,7 @@ def test_classes_get_the_buckets_the_compiler_asks_for(veth: tuple[str, str],
     ns, _ = veth
     pol = _policy()
     spec = _compile.compile_policy(pol).htb
+    assert spec is not None
     assert _compile.HTB_BURST_US > 0
     want_link = _compile.htb_burst(RATE)
     assert want_link == RATE * _compile.HTB_BURST_US // 8_000_000  # 1 ms at 300 Mbit/s: 37.5 kB
@@ -110,7 +112,7 @@ def test_classes_get_the_buckets_the_compiler_asks_for(veth: tuple[str, str],
     calls: list[tuple[object, ...]] = []
     real_init = Netlink.__init__
 
-    def spying_init(self: Netlink, *a: object, **kw: object) -> None:
+    def spying_init(self: Netlink, *a: Any, **kw: Any) -> None:
         real_init(self, *a, **kw)
         tc_call = self.ipr.tc
 
