@@ -75,6 +75,22 @@ def _wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+async def wait_writable(owner: Any, sock: socket.socket) -> None:
+    """Waits until ``sock`` can be written; the wait's future is
+    ``owner._writable`` meanwhile (so that closing the owner can end it)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    owner._writable = fut
+    fd = sock.fileno()
+    loop.add_writer(fd, _wake, fut)
+    try:
+        await fut
+    finally:
+        owner._writable = None
+        if sock.fileno() >= 0:
+            loop.remove_writer(fd)
+
+
 class Lane:
     """The connection to ``address`` (replica ``index`` of ``owner``'s Output)."""
 
@@ -259,19 +275,6 @@ class Lane:
             self.owner._lane_changed(self)  # (also a first connect: spread kernel waits for it)
             return sock
 
-    async def _wait_writable(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._writable = fut
-        fd = sock.fileno()
-        loop.add_writer(fd, _wake, fut)
-        try:
-            await fut
-        finally:
-            self._writable = None
-            if sock.fileno() >= 0:
-                loop.remove_writer(fd)
-
     async def _next(self) -> OutFrame | None:
         """The next queued frame; None when the connection broke while the
         lane was idle.  The frame stays in the queue until the writer takes it
@@ -338,7 +341,7 @@ class Lane:
             try:
                 n = sock.sendmsg(views, (), socket.MSG_NOSIGNAL)
             except (BlockingIOError, InterruptedError):
-                await self._wait_writable(sock)
+                await wait_writable(self, sock)
                 continue
             self.owner.counters.writes += 1
             while n:

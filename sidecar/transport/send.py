@@ -56,7 +56,7 @@ from mmmesh.wire import Header, frame
 from ..config import Limits, Output
 from ..contract import drop_late
 from .frames import FrameQueue, OutFrame, joined, payload_view
-from .lane import Lane, LaneCounters, _wake
+from .lane import Lane, LaneCounters, wait_writable
 from .spread import Swrr
 
 __all__ = ["FrameSender", "SenderCounters"]
@@ -328,19 +328,6 @@ class FrameSender:
             except Exception:
                 log.exception("on_drop hook failed")
 
-    async def _wait_writable(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._writable = fut
-        fd = sock.fileno()
-        loop.add_writer(fd, _wake, fut)
-        try:
-            await fut
-        finally:
-            self._writable = None
-            if sock.fileno() >= 0:
-                loop.remove_writer(fd)
-
     async def _run_udp(self) -> None:
         q = self._queue
         assert q is not None
@@ -368,7 +355,7 @@ class FrameSender:
                         sock.sendmsg(bufs)
                         break
                     except (BlockingIOError, InterruptedError):
-                        await self._wait_writable(sock)
+                        await wait_writable(self, sock)
                 self.counters.frames_out += 1
                 self.counters.bytes_out += size
             except asyncio.CancelledError:
