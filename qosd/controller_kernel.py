@@ -26,9 +26,10 @@ import logging
 from collections import Counter
 from typing import Any
 
+from mmmesh._abi import MAX_BOOSTS
 from mmmesh.controller import Decision, Law, ReplicaWeights, replica_measures
 from mmmesh.controller._replicas import weight_list
-from mmmesh.dataplane import Overrides
+from mmmesh.dataplane import Boost, Overrides, StageOverride
 
 log = logging.getLogger("qosd.controller")
 
@@ -57,7 +58,7 @@ class KernelWriter:
             self._replica_weights(now)
 
     def _overrides(self, version: int, decision: Decision) -> None:
-        self.desired = Overrides.from_stage_weights(decision.stage_weights, self.senders)
+        self.desired = stage_overrides(decision.stage_weights, self.senders)
         try:
             wrote = self.service.reconciler.set_overrides(version, self.desired)
         except Exception as e:  # noqa: BLE001 - counted and logged; the loop goes on
@@ -116,6 +117,29 @@ class KernelWriter:
             "writes": {f"{t}/{r}": n for (t, r), n in sorted(self.counts.items())},
             "last_error": dict(self.last_error),
         }
+
+
+def stage_overrides(stage_weights: Any, senders: dict[str, list[str]]) -> Overrides:
+    """``Overrides.from_stage_weights`` made writable as one set: a prefix two
+    stages share (two stages at one address) keeps the larger weight, and a
+    class keeps at most ``MAX_BOOSTS`` different weights (its boost leaves):
+    a weight below the largest ``MAX_BOOSTS`` is lowered to the next kept one,
+    or left out below them all.  The kernel refuses the whole set otherwise,
+    window after window."""
+    best: dict[tuple[str, str], int] = {}
+    for s in Overrides.from_stage_weights(stage_weights, senders).stages:
+        w = int(s.boost.weight or 0)
+        best[(s.cls, s.prefix)] = max(w, best.get((s.cls, s.prefix), w))
+    kept: dict[str, list[int]] = {}
+    for (cls, _), w in best.items():
+        kept.setdefault(cls, []).append(w)
+    top = {c: sorted(set(ws), reverse=True)[:MAX_BOOSTS] for c, ws in kept.items()}
+    out = []
+    for (cls, prefix), w in sorted(best.items()):
+        fit = [k for k in top[cls] if k <= w]
+        if fit:
+            out.append(StageOverride(cls, prefix, Boost(weight=fit[0])))
+    return Overrides(stages=tuple(out))
 
 
 def _overrides_text(o: Overrides) -> str:

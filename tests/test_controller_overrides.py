@@ -268,3 +268,28 @@ def test_a_failed_kernel_write_is_counted_and_never_raises(tmp_path: Path) -> No
     assert "last overrides error" in render_kernel(k)
     kw.write(pv.version + 1, decision, 1004.0)  # not the kernel's version: nothing tried
     assert kw.counts[("overrides", "error")] == 3
+
+
+def test_stage_weights_become_one_set_the_kernel_takes() -> None:
+    """Two stages at one address (one pod) and four stages of voice with four
+    different weights: the set written is one ``compile_overrides`` accepts
+    (it refuses a (class, prefix) twice and more than three weights a class,
+    which would fail every window); no weight is raised above what the
+    controller decided, and each is within voice's adapt range."""
+    from mmmesh.dataplane import Overrides
+    from mmmesh.dataplane._compile import compile_overrides
+    from mmmesh.policy import parse_policy
+    from qosd.controller_kernel import stage_overrides
+
+    policy = parse_policy(policy_yaml("mmq-none0"))
+    senders = {"asr": ["10.1.0.7/32"], "vad": ["10.1.0.7/32"], "tts": ["10.1.0.8/32"],
+               "nlu": ["10.1.0.9/32"], "mt": ["10.1.0.10/32"]}
+    weights = {"voice": {"asr": 5, "vad": 9, "tts": 6, "nlu": 8, "mt": 4}}
+    with pytest.raises(Exception, match="earlier override|different boosts"):
+        compile_overrides(policy, Overrides.from_stage_weights(weights, senders), bounds=policy)
+    got = stage_overrides(weights, senders)
+    compile_overrides(policy, got, bounds=policy)  # does not raise
+    assert {s.prefix: s.boost.weight for s in got.stages} == {
+        "10.1.0.7/32": 9, "10.1.0.8/32": 6, "10.1.0.9/32": 8}  # mt's 4: below the kept three
+    assert stage_overrides({"voice": {"asr": 5}}, senders) == Overrides.from_stage_weights(
+        {"voice": {"asr": 5}}, senders)
