@@ -247,6 +247,50 @@ def test_frames_of_a_lane_that_breaks_move_whole() -> None:
     run(main(), timeout=60)
 
 
+def test_a_frame_send_cut_off_moves_whole_when_the_lane_closes() -> None:
+    """``send()`` writes part of a big frame itself (the rest queued on lane
+    0), and the loop learns that replica 0 closed before the lane's writer
+    ran: the frame moves to lane 1 whole, not from where the dead connection
+    stopped (that tail would tear lane 1's stream)."""
+    import select
+
+    size = 16 << 20
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        sink = await Sink(maxsize=4).start()
+        closer = socket.create_server(("127.0.0.1", 0))
+        closer.setblocking(False)
+        addrs = [f"127.0.0.1:{closer.getsockname()[1]}", f"127.0.0.1:{sink.port}"]
+        sender = FrameSender(output(replicas=addrs), Limits())
+        await sender.start()
+        conn, _ = await loop.sock_accept(closer)
+        lane = sender.lanes[0]
+        try:
+            await wait_for(lambda: all(x.counters.connected for x in sender.lanes)
+                           and sender.ready.is_set(), 10, "both lanes connected")
+            conn.shutdown(socket.SHUT_WR)  # replica 0 closes (FIN), never reads
+            sock = lane._sock
+            assert sock is not None
+            assert select.select([sock], [], [], 5)[0]  # the FIN is there for the loop
+            await asyncio.sleep(0)  # its readable event is now queued ahead of what we do
+            assert await sender.send(Header(modality=7, stream_id=4, sequence=0),
+                                     _payload(0, size))
+            assert lane.counters.frames_out == 0  # only part of it went (the fast path)
+            f = await sink.get(20)
+            assert f.header.sequence == 0
+            assert bytes(f.payload) == _payload(0, size).tobytes()  # whole, from its start
+            assert sink.server.counters.malformed == {}
+            assert lane.counters.moved == 1 and sender.lanes[1].counters.frames_out == 1
+        finally:
+            await sender.close()
+            await sink.close()
+            conn.close()
+            closer.close()
+
+    run(main(), timeout=60)
+
+
 async def _send_sized(sender: FrameSender, n: int, size: int) -> None:
     for i in range(n):
         await sender.send(Header(modality=7, stream_id=2, sequence=i), _payload(i, size))

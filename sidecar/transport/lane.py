@@ -202,6 +202,11 @@ class Lane:
                     with contextlib.suppress(OSError):
                         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ABORT)
             sock.close()
+            # a frame send() cut off on that connection (queued, not yet taken
+            # by the writer) starts over too, wherever it goes next
+            for item in list(self.queue._queue):  # type: ignore[attr-defined]
+                if item.framed is not None:
+                    item.framed.rewind()
 
     def _set_up(self, up: bool) -> None:
         if self.counters.up != up:
