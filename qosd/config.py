@@ -21,7 +21,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from mmmesh._abi import SOCK_MAX_REPLICAS
+from mmmesh._abi import SOCK_MAX_REPLICAS, SOCK_TUNABLES
 from mmmesh._net import parse_hostport
 from mmmesh.policy import Rate
 from mmmesh.policy._types import IfName
@@ -283,6 +283,9 @@ class SocketLayerConfig(BaseModel):
                     raise ValueError(f"stages[{i}].endpoints[{j}] {e.address}:{e.port}: "
                                      "listed twice")
                 eps.add((e.address, e.port))
+        if len(eps) > (cap := SOCK_TUNABLES["MM_SOCK_MAX_ENDPOINTS"]):
+            raise ValueError(f"stages[].endpoints: {len(eps)} in all, the socket layer holds "
+                             f"at most {cap}")
         if self.all_sockets and self.cgroup.strip("/") in ("", "."):
             raise ValueError("all_sockets needs a cgroup: on the root it would take every "
                              "socket of the node")

@@ -268,6 +268,24 @@ def test_bad_socket_layer_config_names_the_field(tmp_path: Path) -> None:
     assert "socket_layer.stages.0.endpoints.0.replica" in r.stderr, r.stderr
 
 
+def test_more_endpoints_than_the_socket_layer_holds_are_refused() -> None:
+    """Each stage may list 64 endpoints and there may be 64 stages, but the
+    kernel's endpoint map holds 1024: more is a config error naming the field,
+    not an endpoint write failing (half done) at every resync."""
+    from pydantic import ValidationError
+
+    from qosd.config import SocketLayerConfig
+
+    def stages(n: int) -> list[dict[str, object]]:
+        return [{"name": f"s{i}", "id": i + 1, "endpoints": [
+            {"address": f"10.{i}.{j // 250}.{j % 250 + 1}", "port": 7000} for j in range(64)]}
+            for i in range(n)]
+
+    assert len(SocketLayerConfig.model_validate({"stages": stages(16)}).stages) == 16  # 1024
+    with pytest.raises(ValidationError, match=r"stages\[\]\.endpoints: 1088 in all"):
+        SocketLayerConfig.model_validate({"stages": stages(17)})
+
+
 def test_a_missing_cgroup_is_reported_and_retried(node: Node) -> None:
     """qosd serves with the layer down, says why, and brings it up at a resync
     once the cgroup exists."""
