@@ -291,6 +291,34 @@ def test_a_frame_send_cut_off_moves_whole_when_the_lane_closes() -> None:
     run(main(), timeout=60)
 
 
+def test_a_lane_of_weight_0_takes_no_frames_of_a_lane_that_is_down() -> None:
+    """Weights 1:0 and replica 0 refuses: the lane of weight 0 is up but gets
+    no frames, so replica 0's frames stay on its lane (nothing "moved")."""
+
+    async def main() -> None:
+        sink = await Sink(maxsize=4).start()
+        dead = free_port()
+        sender = FrameSender(output(replicas=[f"127.0.0.1:{dead}", f"127.0.0.1:{sink.port}"],
+                                    weights=[1, 0]), Limits())
+        await sender.start()
+        try:
+            for i in range(3):  # before the first connect fails: queued on lane 0
+                await sender.send(Header(modality=7, stream_id=5, sequence=i), b"x" * 10)
+            lane0, lane1 = sender.lanes
+            await wait_for(lambda: not lane0.up and lane1.counters.connected, 10,
+                           "lane 0 down, lane 1 connected")
+            await asyncio.sleep(0.2)
+            assert lane1.counters.frames_out == 0 and sink.queue.empty()
+            assert lane0.counters.moved == 0 and lane0.queue.qsize() == 3
+            assert not await sender.flush(0.1)  # they wait for replica 0
+        finally:
+            await sender.close()
+            await sink.close()
+        assert sender.counters.dropped_other == 3  # counted when closed
+
+    run(main(), timeout=30)
+
+
 async def _send_sized(sender: FrameSender, n: int, size: int) -> None:
     for i in range(n):
         await sender.send(Header(modality=7, stream_id=2, sequence=i), _payload(i, size))

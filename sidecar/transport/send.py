@@ -248,8 +248,12 @@ class FrameSender:
         self._rebalance()
 
     def _rebalance(self) -> None:
-        """Frames of lanes that are down go to lanes that are up (if any)."""
-        if not any(x.up for x in self.lanes):
+        """Frames of lanes that are down go to lanes that are up (if any can
+        take them: one with a weight above 0; spread kernel: the lead)."""
+        if self.kernel:
+            if not self.lanes[self._lead].up:
+                return
+        elif not any(x.up and w for x, w in zip(self.lanes, self._swrr.weights)):
             return
         for lane in self.lanes:
             if lane.up or lane.idle:
