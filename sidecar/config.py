@@ -17,6 +17,8 @@ socket layer's weights): docs/sidecar.md, "Replicas and lanes".
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
@@ -24,7 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mmmesh._abi import SOCK_MAX_REPLICAS, SOCK_MAX_WEIGHT
-from mmmesh._net import check_hostport
+from mmmesh._net import check_hostport, parse_hostport
 from mmmesh.slareport import MAX_WINDOW_S
 from mmmesh.wire import parse_modality
 
@@ -37,6 +39,14 @@ def _hostport(v: str | None, info: ValidationInfo) -> str | None:
     """A ``host:port`` field (``[v6-address]:port`` for IPv6), checked by
     ``mmmesh._net`` as everywhere in mmmesh; None stays None."""
     return None if v is None else check_hostport(v, what=str(info.field_name))
+
+
+def _endpoint(hostport: str) -> tuple[str, int]:
+    """What a checked ``host:port`` names: (the address or lower-case name, port)."""
+    host, port = parse_hostport(hostport)
+    with contextlib.suppress(ValueError):
+        host = str(ipaddress.ip_address(host))
+    return host.lower(), port
 
 
 class Listen(_M):
@@ -101,8 +111,9 @@ class Output(_M):
             raise ValueError(f"replicas: 1 to {SOCK_MAX_REPLICAS} addresses (the socket "
                              f"layer's lanes per stage), got {len(v)}")
         out = tuple(check_hostport(a, what=f"replicas[{i}]") for i, a in enumerate(v))
+        keys = [_endpoint(a) for a in out]  # "h:01" is "h:1", "[0::1]" is "[::1]"
         for i, a in enumerate(out):
-            if a in out[:i]:
+            if keys[i] in keys[:i]:
                 raise ValueError(f"replicas[{i}] {a!r}: listed twice")
         return out
 
