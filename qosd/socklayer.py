@@ -73,6 +73,7 @@ class SocketLayerHost:
             try:
                 res = self.layer().up(self.endpoints(), redirect=self.cfg.redirect,
                                       all_sockets=self.cfg.all_sockets)
+                self._prune_weights()
             except MeshError as e:
                 self.error = str(e)
                 self.counts["up_error"] += 1
@@ -85,6 +86,16 @@ class SocketLayerHost:
                      "adopted" if res.adopted else "loaded", res.cgroup,
                      ", ".join(f"{k} {v}" for k, v in sorted(res.prog_ids.items())))
             return res
+
+    def _prune_weights(self) -> None:
+        """Weights an adopted layer holds for a stage that is no longer weighted
+        (left out of qosd.yaml, or down to one replica) go: the SLA controller
+        writes only its weighted stages, so they would steer frames for good."""
+        keep = {st.id for st in self.cfg.stages if len({e.replica for e in st.endpoints}) >= 2}
+        for sid in sorted(set(self.layer().weights()) - keep):
+            self.layer().set_weights(sid, [])
+            log.info("socket layer: removed the weights of stage %d (not weighted in "
+                     "qosd.yaml socket_layer.stages)", sid)
 
     def _off(self) -> None:
         try:

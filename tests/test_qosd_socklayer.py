@@ -286,6 +286,34 @@ def test_more_endpoints_than_the_socket_layer_holds_are_refused() -> None:
         SocketLayerConfig.model_validate({"stages": stages(17)})
 
 
+def test_an_adopted_layer_keeps_no_weights_of_unweighted_stages() -> None:
+    """A layer left by a qosd whose qosd.yaml had more stages (or replicas):
+    the next qosd adopts it and removes the weights of the stages it does not
+    weight (the SLA controller writes only its own, so they would keep
+    splitting those stages' frames), leaving a weighted stage's."""
+    from mmmesh.dataplane import SocketLayer
+    from qosd.config import SocketLayerConfig
+    from qosd.socklayer import SocketLayerHost
+
+    with scratch_cgroup("prune") as (_, rel):
+        try:
+            SocketLayer(rel).up()
+            for sid in (2, 3, 9):
+                SocketLayer(rel).set_weights(sid, [25, 100])
+            host = SocketLayerHost(SocketLayerConfig.model_validate({
+                "enabled": True, "cgroup": rel, "stages": [
+                    {"name": "asr", "id": 2, "endpoints": [
+                        {"address": "10.1.0.7", "replica": 0},
+                        {"address": "10.1.0.8", "replica": 1}]},
+                    {"name": "tts", "id": 3, "endpoints": [  # down to one replica
+                        {"address": "10.1.0.9", "replica": 0}]}]}))
+            res = host.start()
+            assert res is not None and res.adopted, host.error
+            assert SocketLayer(rel).weights() == {2: (25, 100) + (0,) * 6}
+        finally:
+            SocketLayer(rel).down()
+
+
 def test_a_missing_cgroup_is_reported_and_retried(node: Node) -> None:
     """qosd serves with the layer down, says why, and brings it up at a resync
     once the cgroup exists."""
