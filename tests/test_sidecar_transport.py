@@ -311,6 +311,37 @@ def test_reconnects_with_backoff_after_downstream_restart() -> None:
     run(main())
 
 
+def test_a_downstream_that_accepts_and_closes_at_once_is_backed_off() -> None:
+    """A downstream (or a proxy in front of one) that accepts every
+    connection and closes it at once: the lane keeps reconnecting, with
+    backoff, not in a busy loop."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        srv = socket.create_server(("127.0.0.1", 0))
+        srv.setblocking(False)
+
+        async def accept_and_close() -> None:
+            while True:
+                conn, _ = await loop.sock_accept(srv)
+                conn.close()
+
+        acceptor = loop.create_task(accept_and_close())
+        sender = FrameSender(Output(name="next", address=f"127.0.0.1:{srv.getsockname()[1]}",
+                                    modality="tensor", sla_class="video"), Limits())
+        await sender.start()
+        try:
+            await asyncio.sleep(1.5)
+            n = sender.counters.reconnects
+            assert 2 <= n <= 30, n  # (in a busy loop: thousands)
+        finally:
+            await sender.close()
+            acceptor.cancel()
+            srv.close()
+
+    run(main())
+
+
 def test_graceful_stop_delivers_in_flight_frames() -> None:
     async def main() -> None:
         sink = await Sink().start()

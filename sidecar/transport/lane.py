@@ -52,6 +52,10 @@ log = logging.getLogger("mmmesh.sidecar.transport")
 _BATCH_FRAMES = 64
 _BATCH_BYTES = 256 * 1024
 _LINGER_ABORT = struct.pack("ii", 1, 0)
+# a connection that breaks sooner than this after it was made (a replica, or
+# a proxy in front of one, that accepts and closes at once) counts as a
+# failed connect for the backoff, else the lane reconnects in a busy loop
+_SHORT_LIVED_S = 1.0
 
 
 @dataclass
@@ -108,6 +112,8 @@ class Lane:
         self._writable: asyncio.Future[None] | None = None
         self._idle: asyncio.Future[None] | None = None  # the writer waits for a frame
         self._ever_connected = False
+        self._connected_at: float | None = None  # loop time of the current connection
+        self._short_delay = owner.backoff_initial  # backoff over short-lived connections
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -271,6 +277,7 @@ class Lane:
                 self.owner.counters.reconnects += 1
                 log.info("sender %s: reconnected to %s", self.owner.name, self.address)
             self._ever_connected = True
+            self._connected_at = loop.time()
             self._sock = sock
             self._dead = False
             self.counters.connected = True
@@ -368,6 +375,7 @@ class Lane:
                         self._set_up(False)
                     if not self.idle:  # a frame that arrived as it broke: to a lane that is up
                         self.owner._rebalance()
+                    await self._short_lived_backoff()
                     sock = await self._connect()
                     self._after_reconnect()
                     continue  # (the owner may have moved frames meanwhile)
@@ -394,6 +402,20 @@ class Lane:
                     self.queue.task_done()
                 batch.clear()
                 await asyncio.sleep(0.1)
+
+    async def _short_lived_backoff(self) -> None:
+        """After a connection that broke within ``_SHORT_LIVED_S``: waits as
+        after a failed connect (the wait doubles while it keeps happening)."""
+        made, self._connected_at = self._connected_at, None
+        if made is None:
+            return
+        owner = self.owner
+        if asyncio.get_running_loop().time() - made >= _SHORT_LIVED_S:
+            self._short_delay = owner.backoff_initial
+            return
+        delay = self._short_delay
+        self._short_delay = min(delay * 2, owner.backoff_max)
+        await asyncio.sleep(random.uniform(delay / 2, delay))
 
     def _after_reconnect(self) -> None:
         """A new connection: a frame cut off on the old one is sent whole, and
