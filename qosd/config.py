@@ -234,10 +234,14 @@ class SockStageConfig(BaseModel):
     @model_validator(mode="after")
     def _replicas(self) -> SockStageConfig:
         seen: dict[int, str] = {}
-        for e in self.endpoints:
+        owner: dict[str, int] = {}
+        for j, e in enumerate(self.endpoints):
             if e.instance is not None and seen.setdefault(e.replica, e.instance) != e.instance:
                 raise ValueError(f"replica {e.replica} has two instances: "
                                  f"{seen[e.replica]!r} and {e.instance!r}")
+            if e.instance is not None and owner.setdefault(e.instance, e.replica) != e.replica:
+                raise ValueError(f"endpoints[{j}].instance {e.instance!r}: already speaks for "
+                                 f"replica {owner[e.instance]} (one reporter, one replica)")
         return self
 
     def sender_prefixes(self) -> list[str]:

@@ -286,6 +286,24 @@ def test_more_endpoints_than_the_socket_layer_holds_are_refused() -> None:
         SocketLayerConfig.model_validate({"stages": stages(17)})
 
 
+def test_one_instance_for_two_replicas_is_refused() -> None:
+    """An instance names one replica: otherwise its windows would judge only
+    the last one listed and the other would never be judged (a silent
+    copy-paste slip)."""
+    from pydantic import ValidationError
+
+    from qosd.config import SocketLayerConfig
+
+    def stage(inst1: str) -> dict[str, object]:
+        return {"stages": [{"name": "asr", "id": 2, "endpoints": [
+            {"address": "10.1.0.7", "replica": 0, "instance": "asr-0"},
+            {"address": "10.1.0.8", "replica": 1, "instance": inst1}]}]}
+
+    assert SocketLayerConfig.model_validate(stage("asr-1")).stages[0].endpoints[1].replica == 1
+    with pytest.raises(ValidationError, match=r"endpoints\[1\]\.instance 'asr-0'"):
+        SocketLayerConfig.model_validate(stage("asr-0"))
+
+
 def test_an_adopted_layer_keeps_no_weights_of_unweighted_stages() -> None:
     """A layer left by a qosd whose qosd.yaml had more stages (or replicas):
     the next qosd adopts it and removes the weights of the stages it does not
