@@ -25,9 +25,10 @@ The state survives a restart: it is written (atomically) to
 it still applies (same policy, same law, not older than the expiry horizon:
 ``Controller.restore`` says why not otherwise).
 
-``sla_controller_enabled: false`` turns it off: a window is then a no-op (no
-state read, decided, written or saved) and ``explain`` shows the policy's
-values with a note saying so.
+``sla_controller_enabled: false`` turns it off: its first window takes back
+what an earlier, enabled run left in the kernel (stage overrides, replica
+weights), then a window is a no-op (no state read, decided, written or saved)
+and ``explain`` shows the policy's values with a note saying so.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class SlaController:
         self.law = Law(period_s=float(service.cfg.sla_controller_period_s))
         self.enabled = bool(getattr(service.cfg, "sla_controller_enabled", True))
         self.kernel = KernelWriter(service, self.law)
+        self._released = False  # disabled: the kernel holds nothing the controller wrote
 
     @property
     def period_s(self) -> float:
@@ -113,6 +115,12 @@ class SlaController:
         """One window: judge, decide, write what changed, keep the state
         (disabled: nothing, None)."""
         if not self.enabled:
+            # what an earlier, enabled run wrote (stage overrides and replica weights
+            # outlive a restart: the kernel keeps them) is taken back once
+            cur = self.service.store.current()
+            if not self._released and cur is not None:
+                with self._lock:
+                    self._released = self.kernel.release(cur.version)
             return None
         with self._lock:
             now = time.time()

@@ -57,6 +57,35 @@ class KernelWriter:
         if self.host.enabled and self.weighted:
             self._replica_weights(now)
 
+    def release(self, version: int) -> bool:
+        """Takes back what the controller writes (stage overrides, replica
+        weights: equal again), for a controller that is switched off; True once
+        the kernel holds none of it.  Never raises."""
+        ok = True
+        self.desired = Overrides()
+        try:
+            done = self.service.reconciler.set_overrides(version, self.desired)
+            if done is None:  # not reconciled yet: again next window
+                ok = False
+            elif done:
+                log.info("SLA controller (off): stage overrides removed")
+        except Exception as e:  # noqa: BLE001 - counted and logged; tried again
+            self._failed("overrides", e)
+            ok = False
+        if self.host.enabled and self.weighted:
+            if self.host.result is None:
+                return False  # not up (yet): again next window
+            self.replicas = ReplicaWeights({n: rs for n, (_, rs) in self.weighted.items()},
+                                           self.replicas.law)
+            for name, by_replica in self.replicas.weights().items():
+                sid, reps = self.weighted[name]
+                try:
+                    self.host.set_weights(sid, weight_list(by_replica, reps))
+                except Exception as e:  # noqa: BLE001 - counted and logged; tried again
+                    self._failed("replica_weights", e, f" of stage {name} ({sid})")
+                    ok = False
+        return ok
+
     def _overrides(self, version: int, decision: Decision) -> None:
         self.desired = stage_overrides(decision.stage_weights, self.senders)
         try:

@@ -293,3 +293,33 @@ def test_stage_weights_become_one_set_the_kernel_takes() -> None:
         "10.1.0.7/32": 9, "10.1.0.8/32": 6, "10.1.0.9/32": 8}  # mt's 4: below the kept three
     assert stage_overrides({"voice": {"asr": 5}}, senders) == Overrides.from_stage_weights(
         {"voice": {"asr": 5}}, senders)
+
+
+def test_switched_off_the_controller_takes_back_its_overrides(live: tuple[Node, Path]) -> None:
+    """A boost written while the controller was on outlives a restart (the
+    kernel keeps valid overrides); with ``sla_controller_enabled: false`` the
+    restarted qosd removes it, and writes nothing again under misses."""
+    node, _ = live
+    assert node.put_policy(policy_yaml()).status_code == 200
+    deadline, got = time.monotonic() + 40, list[Any]()
+    while time.monotonic() < deadline and not got:
+        post(node, report("asr", 500, 0.5), report("tts", 200_000, 1.0))
+        got = overrides(node)
+        time.sleep(PERIOD_S / 2)
+    assert len(got) == 1, node.log()
+    node.stop()
+    assert len(overrides(node)) == 1  # the kernel keeps it while qosd is down
+    cfg = yaml.safe_load(node.cfg.read_text())
+    cfg["sla_controller_enabled"] = False
+    node.cfg.write_text(yaml.safe_dump(cfg))
+    node.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and overrides(node):
+        post(node, report("asr", 500, 0.5), report("tts", 200_000, 1.0))
+        time.sleep(PERIOD_S / 2)
+    assert overrides(node) == [], node.log()
+    for _ in range(int(4 / (PERIOD_S / 2))):  # misses go on: nothing comes back
+        post(node, report("asr", 500, 0.5), report("tts", 200_000, 1.0))
+        time.sleep(PERIOD_S / 2)
+    assert overrides(node) == []
+    assert node.get("/v1/sla/explain").json()["enabled"] is False
