@@ -209,3 +209,25 @@ def test_impersonation_is_dropped(mesh: Mesh, tmp_path: Path) -> None:
     for m in view:
         if m["node"] in ("node-1", "node-2"):
             assert m["state"] == "alive" and m["incarnation"] < 1000, m
+
+
+def test_a_node_started_before_its_seeds_joins_once_they_are_up(tmp_path: Path) -> None:
+    """The joiner's first identification of each seed fails (nothing listens
+    yet); that failure must not be remembered for long (it was cached a
+    minute: the node stayed alone for a minute, CI saw it)."""
+    require_privileged()
+    with Mesh(4, tmp_path / "m", start=False) as m:
+        early = m.nodes[3]  # not a seed
+        early.start()
+        early.wait_ready()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "joining through" not in early.log():
+            time.sleep(0.1)
+        time.sleep(1.5)  # its joins meet closed ports
+        assert early.members() == {early.name: "alive"}
+        for node in m.nodes[:3]:
+            node.start()
+        for node in m.nodes[:3]:
+            node.wait_ready()
+        took = m.wait_converged(20)
+        assert took < 10, took

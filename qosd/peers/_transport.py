@@ -55,6 +55,9 @@ SEND_FAILURES = ("unavailable", "deadline", "identity", "refused", "backlog", "u
                  "error")
 _SLACK = 64 * 1024  # framing above the largest message we mean to allow
 _IDENTITY_TTL_S = 60.0
+# a failed identification (nothing listening yet, a timeout) is tried again this
+# soon: cached a minute, a node started before its seeds could not join for a minute
+_IDENTITY_FAILED_TTL_S = 1.0
 _CODES = {"no_identity": grpc.StatusCode.PERMISSION_DENIED,
           "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
           "rate_limited": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -274,7 +277,8 @@ class Pool:
         """The node id at ``addr`` (from its certificate; cached a minute)."""
         now = self._clock()
         known = self._identities.get(addr)
-        if known is not None and now - known[1] < _IDENTITY_TTL_S:
+        if known is not None and now - known[1] < (
+                _IDENTITY_TTL_S if known[0] is not None else _IDENTITY_FAILED_TTL_S):
             return known[0]
         node = await identify(addr, self._ssl, self._cfg.trust_domain,
                               self._cfg.identify_timeout_s)
