@@ -129,6 +129,17 @@ def overrides(node: Node) -> list[Any]:
     return Dataplane("a0", node.ns).overrides(EXAMPLE)
 
 
+def misses_until_boosted(node: Node, timeout: float = 40.0) -> list[Any]:
+    """Reports asr missing (tts keeping voice's objective) until the kernel
+    holds an override, or ``timeout``; the overrides then."""
+    deadline, got = time.monotonic() + timeout, list[Any]()
+    while time.monotonic() < deadline and not got:
+        post(node, report("asr", 500, 0.5), report("tts", 200_000, 1.0))
+        got = overrides(node)
+        time.sleep(PERIOD_S / 2)
+    return got
+
+
 def metric(node: Node, name: str, **labels: str) -> float | None:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -160,11 +171,7 @@ def test_a_missing_stage_gets_a_boost_leaf_then_loses_it(live: tuple[Node, Path]
     assert set(dp.htb_classes()) == leaves_before
 
     # the trusted sidecars: asr misses, tts keeps voice's objective
-    deadline, got = time.monotonic() + 40, list[Any]()
-    while time.monotonic() < deadline and not got:
-        post(node, report("asr", 500, 0.5), report("tts", 200_000, 1.0))
-        got = overrides(node)
-        time.sleep(PERIOD_S / 2)
+    got = misses_until_boosted(node)
     assert len(got) == 1, node.log()
     # from here asr keeps its objective, not comfortably: the stage weight holds
     with reporting(node, HOLDING, report("tts", 200_000, 1.0)):
@@ -301,11 +308,7 @@ def test_switched_off_the_controller_takes_back_its_overrides(live: tuple[Node, 
     restarted qosd removes it, and writes nothing again under misses."""
     node, _ = live
     assert node.put_policy(policy_yaml()).status_code == 200
-    deadline, got = time.monotonic() + 40, list[Any]()
-    while time.monotonic() < deadline and not got:
-        post(node, report("asr", 500, 0.5), report("tts", 200_000, 1.0))
-        got = overrides(node)
-        time.sleep(PERIOD_S / 2)
+    got = misses_until_boosted(node)
     assert len(got) == 1, node.log()
     node.stop()
     assert len(overrides(node)) == 1  # the kernel keeps it while qosd is down
