@@ -77,13 +77,7 @@ class KernelWriter:
                 return False  # not up (yet): again next window
             self.replicas = ReplicaWeights({n: rs for n, (_, rs) in self.weighted.items()},
                                            self.replicas.law)
-            for name, by_replica in self.replicas.weights().items():
-                sid, reps = self.weighted[name]
-                try:
-                    self.host.set_weights(sid, weight_list(by_replica, reps))
-                except Exception as e:  # noqa: BLE001 - counted and logged; tried again
-                    self._failed("replica_weights", e, f" of stage {name} ({sid})")
-                    ok = False
+            ok = self._push_weights() and ok
         return ok
 
     def _overrides(self, version: int, decision: Decision) -> None:
@@ -111,6 +105,12 @@ class KernelWriter:
                      self.replicas.weights())
         if self.host.result is None:
             return  # not up (yet): start/ensure report why
+        self._push_weights()
+
+    def _push_weights(self) -> bool:
+        """Writes every weighted stage's replica weights where the kernel holds
+        others; False if a write failed (counted and logged; tried again)."""
+        ok = True
         for name, by_replica in self.replicas.weights().items():
             sid, reps = self.weighted[name]
             try:
@@ -119,6 +119,8 @@ class KernelWriter:
                     self.last_error.pop("replica_weights", None)
             except Exception as e:  # noqa: BLE001 - counted and logged; the loop goes on
                 self._failed("replica_weights", e, f" of stage {name} ({sid})")
+                ok = False
+        return ok
 
     def _failed(self, target: str, e: Exception, what: str = "") -> None:
         self.counts[(target, "error")] += 1
