@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """qosd under a connection flood from an unprivileged local process (issue 12, item 3).
 
-Starts a real qosd from this checkout (tests/hostile_target.py: temporary
+Starts a real qosd from this checkout (testkit/hostile_target.py: temporary
 config, no policy, sla.sock 0666, under ``prlimit --nofile=N`` like the
 unit's LimitNOFILE) and measures, in one run:
 
   idle        ``mmmeshctl --socket <admin> status``, ``--calls`` times, nothing else
               going on (the baseline)
   ordinary    ``--requests`` complete POST /v1/sla at once (one thread each)
-  flood       tests/hostile_flood.py as uid/gid 65534 trying to hold ``--connections``
+  flood       testkit/hostile_flood.py as uid/gid 65534 trying to hold ``--connections``
               slow-header connections to sla.sock for ``--seconds``; one second in,
               ``--requests`` ordinary POSTs at once again, and ``mmmeshctl status``
               ``--calls`` times in a row on the admin socket
@@ -45,9 +45,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mmmesh._files import write_json
-from qosd.api.serve import ADMIN_MAX_CONNECTIONS, SLA_MAX_CONNECTIONS
-from tests.hostile_target import (
+from mmmesh.files import write_json
+from qosd.httpd.serve import ADMIN_MAX_CONNECTIONS, SLA_MAX_CONNECTIONS
+from testkit.hostile_target import (
     VENV_BIN,
     Sampler,
     Target,

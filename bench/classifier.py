@@ -49,9 +49,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mmmesh._files import write_json  # noqa: E402
 from mmmesh.dataplane import testing  # noqa: E402
 from mmmesh.dataplane.classify import Classifier  # noqa: E402
+from mmmesh.files import write_json  # noqa: E402
 from mmmesh.policy import load_policy  # noqa: E402
 from mmmesh.wire import Header, encode_header  # noqa: E402
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Membership and gossip at scale: N members of the real ``mmmesh.cluster`` core
-on a virtual clock (``mmmesh.cluster.simulation``) over an in-memory network
+"""Membership and gossip at scale: N members of the real ``qosd.mesh.membership.core`` core
+on a virtual clock (``qosd.mesh.membership.core.simulation``) over an in-memory network
 that drops each packet with probability ``--loss`` and delays it uniformly by
 ``--latency-ms`` (default 0.5-2 ms).  Nothing sleeps; the cost is the core's.
 
@@ -51,9 +51,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mmmesh._files import write_json
-from mmmesh.cluster import AppMessage, Config, Event, MemberChanged, State
-from mmmesh.cluster.simulation import Simulation
+from mmmesh.files import write_json
+from qosd.mesh.membership.core import AppMessage, Config, Event, MemberChanged, State
+from qosd.mesh.membership.core.simulation import Simulation
 
 MEMBERLIST_CONVERGENCE_S = 2.2
 MAX_KBIT_PER_NODE = 350.0

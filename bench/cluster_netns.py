@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The membership with real processes: N qosd (5-20), one per network namespace
-on a bridge (tests/netns_mesh.py), over gRPC with mutual TLS and the LAN
+on a bridge (testkit/netns_mesh.py), over gRPC with mutual TLS and the LAN
 default timers, compared with the simulation (bench/cluster.py's cores on a
 virtual clock) at the same N and timers, in the same run.
 
@@ -36,10 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import cluster as simbench
-from mmmesh._files import write_json
-from mmmesh.cluster import Config
-from mmmesh.cluster.simulation import Simulation
-from tests.netns_mesh import Mesh
+from mmmesh.files import write_json
+from qosd.mesh.membership.core import Config
+from qosd.mesh.membership.core.simulation import Simulation
+from testkit.netns_mesh import Mesh
 
 
 def real(n: int, crashes: int, gap: float, seed: int, idle: float) -> dict[str, Any]:

@@ -5,7 +5,7 @@ The issue's target is "policy apply latency (CLI call to kernel state changed)
 p99 < 200 ms"; the daemon's side of an apply is ~80 ms, so the CLI's own
 start-up (interpreter, imports, connecting) must stay small.  This starts the
 real admin API of qosd (``qosd.api.create_app`` over the in-test
-``StoreService`` of tests/test_api.py: a real PolicyStore, a pretend kernel),
+``StoreService`` of tests/qosd/test_api.py: a real PolicyStore, a pretend kernel),
 served by ``qosd.api.bind_uds`` on a temporary unix socket in a background
 thread of this process, and times ``--runs`` complete runs (process start to
 exit, output checked) of:
@@ -19,15 +19,15 @@ exit, output checked) of:
     (each run commits a new version in the temporary store)
 
 ``mmmeshctl`` is the console script next to this interpreter (``python -m
-mmmesh.ctl`` when there is none).  With ``--before-rev REV`` the three CLI
+mmmeshctl`` when there is none).  With ``--before-rev REV`` the three CLI
 commands are also timed with the ``mmmesh`` package as it is in git revision
 REV (``git archive`` into a temporary directory, so nothing in the work tree
-changes; ``mmmesh/ctl.py`` before the split, ``mmmesh/ctl/`` after it).  The
+changes; ``mmmeshctl.py`` before the split, ``mmmeshctl/`` after it).  The
 variants are interleaved run by run so that load on the machine hits all of
 them alike; one untimed warm-up run each comes first.
 
 Bytecode: an installed CLI runs from .pyc files (pip compiles them), while a
-work tree under ``PYTHONDONTWRITEBYTECODE=1`` compiles mmmesh/ctl (~10 ms) on
+work tree under ``PYTHONDONTWRITEBYTECODE=1`` compiles mmmeshctl (~10 ms) on
 every run.  By default (``--bytecode cache``) the children get a private
 ``PYTHONPYCACHEPREFIX`` in the temporary directory (filled by the warm-up
 run), so every variant runs from bytecode as when installed and nothing is
@@ -56,9 +56,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mmmesh._files import write_json
+from mmmesh.files import write_json
 from qosd import api
-from tests.test_api import StoreService
+from testkit.qosd_fake import StoreService
 
 POLICY = ROOT / "examples" / "policy.yaml"
 PY = sys.executable
@@ -85,11 +85,11 @@ def ctl_argv() -> list[str]:
     script = Path(PY).parent / "mmmeshctl"
     if script.is_file() and os.access(script, os.X_OK):
         return [PY, str(script)]
-    return [PY, "-m", "mmmesh.ctl"]
+    return [PY, "-m", "mmmeshctl"]
 
 
 def before_argv(rev: str, tmp: Path) -> list[str]:
-    """``mmmesh.ctl.main`` of git revision ``rev``: its ``mmmesh`` package is
+    """``mmmeshctl.main`` of git revision ``rev``: its ``mmmesh`` package is
     extracted into ``tmp`` and imported from there, as the console script does."""
     dest = tmp / "before"
     tar = subprocess.run(["git", "archive", "--format=tar", rev, "mmmesh"], cwd=ROOT,
@@ -100,7 +100,7 @@ def before_argv(rev: str, tmp: Path) -> list[str]:
         else:  # Python before 3.11.4
             tf.extractall(dest)
     # sys.argv[1:] are the CLI's arguments, as with the console script
-    code = f"import sys; sys.path.insert(0, {str(dest)!r}); from mmmesh.ctl import main; main()"
+    code = f"import sys; sys.path.insert(0, {str(dest)!r}); from mmmeshctl import main; main()"
     return [PY, "-c", code]
 
 

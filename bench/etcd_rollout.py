@@ -67,12 +67,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mmmesh._files import write_json
-from mmmesh.cluster.rollout import MeshVersion
-from mmmesh.etcd import EtcdClient, EtcdConfig, EtcdError
+from mmmesh.files import write_json
 from mmmesh.policy import parse_policy
-from qosd.clusterstore import EtcdNode
-from qosd.clusterstore._etcd_keys import Layout, decode_ack
+from qosd.mesh.rollout.core import MeshVersion
+from qosd.store.cluster import EtcdNode
+from qosd.store.etcd.client import EtcdClient, EtcdConfig, EtcdError
+from qosd.store.etcd.keys import Layout, decode_ack
 
 PREFIX = "/bench/"
 EXAMPLE = ROOT / "examples" / "policy.yaml"
@@ -104,7 +104,7 @@ def board(frames: int) -> dict[str, Any]:
     """An SLA board's view with 4 class windows, each with a real sketch."""
     import random
 
-    from mmmesh.slasketch import encode_sketch, new_sketch
+    from mmmesh.sla.sketch import encode_sketch, new_sketch
 
     rows = []
     rng = random.Random(frames)
@@ -150,7 +150,7 @@ async def raw_watcher(endpoints: list[str], counts: dict[str, int]) -> None:
 
 async def worker(a: argparse.Namespace) -> None:
     # lost leases, store down: counted (the errors of the JSON), not logged by the thousand
-    logging.getLogger("qosd.clusterstore").setLevel(logging.ERROR)
+    logging.getLogger("qosd.store.cluster").setLevel(logging.ERROR)
     sla_on = False
     applied: dict[str, MeshVersion | None] = {}
     endpoints = a.endpoints.split(",")
@@ -351,7 +351,7 @@ def window(workers: Workers, etcd: Any, pids: list[int], seconds: float) -> dict
 
 
 def run_size(n: int, a: argparse.Namespace, merge_ms: float) -> dict[str, Any]:
-    from tests.etcd_cluster import EtcdCluster
+    from testkit.etcd_cluster import EtcdCluster
 
     with tempfile.TemporaryDirectory(prefix="mmmesh-etcd-bench-") as tmp, \
             EtcdCluster(Path(tmp), heartbeat_ms=100, election_ms=1000) as etcd:
@@ -415,8 +415,8 @@ def run_size(n: int, a: argparse.Namespace, merge_ms: float) -> dict[str, Any]:
 
 def view_merge_ms(samples: int = 200) -> float:
     """What one peer's SLA bundle costs the SlaView a qosd's watch feeds (ms)."""
-    from mmmesh.cluster import Config as CoreConfig
-    from mmmesh.cluster.slaview import SlaView, SlaViewConfig
+    from qosd.mesh.membership.core import Config as CoreConfig
+    from qosd.mesh.slaview.core import SlaView, SlaViewConfig
 
     b = board(1000)
     datas = []
@@ -435,9 +435,9 @@ def view_merge_ms(samples: int = 200) -> float:
 
 def gossip(n: int, apply_s: float, every_max: int) -> dict[str, Any]:
     """The gossip rollout at n (the simulation) and the SLA digest law at n."""
-    from mmmesh.cluster import AppBroadcast, Config
-    from mmmesh.cluster._rollout_sim import RolloutSimulation
-    from mmmesh.cluster.slaview import SlaViewConfig
+    from qosd.mesh.membership.core import AppBroadcast, Config
+    from qosd.mesh.rollout.core.simulation import RolloutSimulation
+    from qosd.mesh.slaview.core import SlaViewConfig
 
     wall = time.monotonic()
     rs = RolloutSimulation(n, seed=1, apply_s=apply_s)

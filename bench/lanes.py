@@ -43,11 +43,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mmmesh._abi import Modality
-from mmmesh._files import write_json
+from mmmesh.abi import Modality
 from mmmesh.dataplane import Endpoint, SocketLayer
+from mmmesh.files import write_json
 from mmmesh.wire import Header, encode_header
-from tests.socklayer_kit import join_cgroup, scratch_cgroup
+from testkit.socklayer_kit import join_cgroup, scratch_cgroup
 
 WEIGHTS = [5, 3, 2]
 PATHS = ["one lane", "user tcp", "user redirect", "kernel"]

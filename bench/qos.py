@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """QoS targets of the dataplane, measured with real traffic in network namespaces.
 
-Runs the demo scenario (``mmmesh.demo.scenario``: mesh off / mesh on / voice
-alone, see ``mmmesh demo``) ``--runs`` times and checks, with the ratios of
+Runs the demo scenario (``demo.scenario``: mesh off / mesh on / voice
+alone, see ``mmmesh-demo``) ``--runs`` times and checks, with the ratios of
 each run computed from that run's own phases:
 
   (a) voice P99 one-way latency under the flood, mesh on  <= 2 x  voice P99 alone
@@ -18,7 +18,7 @@ A target is met when the median over the runs meets it; the table also shows
 how many single runs met it.  By default the voice endpoints run on CPU 0 and
 the bulk endpoints (flood, video and LiDAR) on CPU 1 (``--no-pin``: wherever
 the scheduler puts them), and the voice sender takes TX timestamps, which
-split its latency into sender / qdisc / wire / receiver (``mmmesh.demo.voice``).
+split its latency into sender / qdisc / wire / receiver (``demo.voice``).
 ``--matrix`` runs, interleaved in every round, the HTB buckets of the kernel's
 default (~1 MTU, as before issue 10 item 6) and of the product
 (``HTB_BURST_US``), each without and with pinning: before/after in one session;
@@ -44,8 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,10 +52,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mmmesh.dataplane import _compile  # HTB_BURST_US: --matrix, --htb-burst-us
-from mmmesh.demo import report
-from mmmesh.demo.scenario import DemoConfig, demo_policy, run_demo
-from mmmesh.demo.testbed import Testbed
+from demo import report
+from demo.scenario import DemoConfig, demo_policy, run_demo
+from demo.testbed import Testbed
+from mmmesh.dataplane.tuning import DEFAULT_HTB_BURST_US, htb_tuning  # --matrix, --htb-burst-us
 from mmmesh.policy import Rate
 
 TARGET_A = 2.0  # on / alone  <=
@@ -71,7 +70,7 @@ IPERF_PORT = 5201
 class Variant:
     """One configuration of the scenario, for before/after runs in one session."""
 
-    burst_us: int  # HTB bucket time (_compile.HTB_BURST_US); 0: the kernel's ~1 MTU
+    burst_us: int  # HTB bucket time (mmmesh.dataplane.tuning); 0: the kernel's ~1 MTU
     pin: bool  # voice endpoints on CPU 0, bulk endpoints on CPU 1
     leaf_limit: int | None = None  # packets per leaf queue; None: the product's
     lidar: bool = True  # the LiDAR stream (TCP, GSO) beside the video flood
@@ -85,7 +84,7 @@ class Variant:
 
 # --matrix: the kernel's default buckets (as before issue 10 item 6) and the
 # product's, each without and with pinning; --variants picks any of these.
-US = _compile.HTB_BURST_US
+US = DEFAULT_HTB_BURST_US
 VARIANTS = {"before": Variant(0, False), "buckets": Variant(US, False),
             "pinned": Variant(0, True), "after": Variant(US, True)}
 EXTRA_VARIANTS = {"leaf10": Variant(US, True, 10), "leaf1000": Variant(US, True, 1000),
@@ -137,26 +136,10 @@ def _record(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-@contextmanager
-def _configured(v: Variant) -> Iterator[None]:
+def _configured(v: Variant) -> AbstractContextManager[None]:
     """The product's HTB bucket time and leaf queue length as ``v`` says, for
     the Dataplane.up calls of one run (the bench's knobs, not the product's)."""
-    from mmmesh.dataplane._netlink import Netlink
-
-    us, leaf = _compile.HTB_BURST_US, Netlink._leaf_qdisc
-    _compile.HTB_BURST_US = v.burst_us  # read when Dataplane.up compiles the policy
-    if v.leaf_limit is not None:
-        n = v.leaf_limit
-
-        def leaf_qdisc(self: Netlink, idx: int, classid: int, limit: int) -> None:
-            leaf(self, idx, classid, n)
-
-        Netlink._leaf_qdisc = leaf_qdisc  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        _compile.HTB_BURST_US = us
-        Netlink._leaf_qdisc = leaf  # type: ignore[method-assign]
+    return htb_tuning(burst_us=v.burst_us, leaf_limit=v.leaf_limit)
 
 
 def qos_runs(runs: int, rate: int, duration: float, progress: report.Progress,
@@ -383,9 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-pin", action="store_true",
                     help="leave the voice and bulk endpoints unpinned (default: CPUs 0 and 1)")
     ap.add_argument("--no-tx-ts", action="store_true", help="no voice TX timestamps")
-    ap.add_argument("--htb-burst-us", type=int, default=_compile.HTB_BURST_US,
+    ap.add_argument("--htb-burst-us", type=int, default=DEFAULT_HTB_BURST_US,
                     help="HTB bucket time (default: the product's, "
-                         f"{_compile.HTB_BURST_US}; 0: the kernel's ~1 MTU)")
+                         f"{DEFAULT_HTB_BURST_US}; 0: the kernel's ~1 MTU)")
     ap.add_argument("--matrix", action="store_true",
                     help="interleave kernel-default and product HTB buckets, unpinned and "
                          "pinned (targets judged on 'after')")

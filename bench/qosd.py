@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
-from mmmesh._files import write_json  # noqa: E402
+from demo import netlab as nl  # noqa: E402
 from mmmesh.dataplane import Dataplane  # noqa: E402
-from mmmesh.demo import netlab as nl  # noqa: E402
+from mmmesh.files import write_json  # noqa: E402
 from mmmesh.policy import load_policy, parse_policy  # noqa: E402
 
 BIN = Path(sys.executable).parent

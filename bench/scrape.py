@@ -43,10 +43,10 @@ sys.path.insert(0, str(ROOT))
 from prometheus_client import generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from mmmesh._files import write_json  # noqa: E402
+from demo import netlab as nl  # noqa: E402
 from mmmesh.dataplane import Dataplane, link_exists  # noqa: E402
 from mmmesh.dataplane.testing import fill_flows  # noqa: E402
-from mmmesh.demo import netlab as nl  # noqa: E402
+from mmmesh.files import write_json  # noqa: E402
 from mmmesh.policy import load_policy, parse_policy  # noqa: E402
 from qosd.metrics import Target, make_registry  # noqa: E402
 

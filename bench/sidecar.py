@@ -59,8 +59,8 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np
 
-from mmmesh._abi import DType, Modality
-from mmmesh._files import write_json
+from mmmesh.abi import DType, Modality
+from mmmesh.files import write_json
 from mmmesh.wire import Header, TensorSpec, encode_header
 
 MiB = 1 << 20
@@ -358,7 +358,7 @@ def sidecar_relay(conn: Any, sink_port: int, async_stage: bool) -> None:
     cfg = SidecarConfig.model_validate({
         "stage": "identity",
         "listen": {"tcp": "127.0.0.1:0"},
-        "runner": {"kind": "python", "target": f"examples.pipeline.stages:{fn}"},
+        "runner": {"kind": "python", "target": f"demo.pipeline.stages:{fn}"},
         "outputs": [{"name": "sink", "address": f"127.0.0.1:{sink_port}",
                      "modality": "tensor", "sla_class": "bench"}],
         "qosd": {"socket": None},
@@ -545,10 +545,10 @@ def run(quick: bool, progress: Callable[[str], None], rounds: int | None = None
                                       "small_frames": small_n, "small_size": 1024,
                                       "latency_frames": lat_n, "latency_rate_per_s": lat_rate,
                                       "rounds": rounds, "cpus": os.cpu_count(),
-                                      "sidecar_stage": "examples.pipeline.stages:identity "
+                                      "sidecar_stage": "demo.pipeline.stages:identity "
                                                        "(a plain function: the runner's "
                                                        "thread pool)",
-                                      "sidecar_async_stage": "examples.pipeline.stages:"
+                                      "sidecar_async_stage": "demo.pipeline.stages:"
                                                              "identity_async (on the loop)"},
                            "relays": {}, "direct": {}}
 

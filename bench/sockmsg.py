@@ -53,11 +53,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mmmesh._abi import Modality
-from mmmesh._files import write_json
+from mmmesh.abi import Modality
 from mmmesh.dataplane import Endpoint, SocketLayer
+from mmmesh.files import write_json
 from mmmesh.wire import Header, encode_header
-from tests.socklayer_kit import join_cgroup, scratch_cgroup
+from testkit.socklayer_kit import join_cgroup, scratch_cgroup
 
 MiB = 1 << 20
 SIZES = {"1KiB": 1024, "4MiB": 4 * MiB}

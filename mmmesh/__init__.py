@@ -11,7 +11,7 @@ so ``import mmmesh`` stays cheap for the CLIs)::
     errors        MeshError, WireError, PolicyError, DataplaneError, NotSupportedError
 
 The modules behind them: ``mmmesh.wire``, ``mmmesh.policy``,
-``mmmesh.dataplane``, ``mmmesh.slareport``; ``mmmesh._errors`` documents the
+``mmmesh.dataplane``, ``mmmesh.sla.report``; ``mmmesh.errors`` documents the
 error tree.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ._errors import DataplaneError, MeshError, NotSupportedError, PolicyError, WireError
+from mmmesh.errors import DataplaneError, MeshError, NotSupportedError, PolicyError, WireError
 
 # name -> module that defines it (imported when the name is first used)
 _LAZY: dict[str, str] = {
@@ -32,15 +32,15 @@ _LAZY: dict[str, str] = {
     "frame": "mmmesh.wire",
     "FrameReader": "mmmesh.wire",
     "parse_modality": "mmmesh.wire",
-    "Modality": "mmmesh._abi",
-    "Flag": "mmmesh._abi",
-    "Tlv": "mmmesh._abi",
-    "DType": "mmmesh._abi",
+    "Modality": "mmmesh.abi",
+    "Flag": "mmmesh.abi",
+    "Tlv": "mmmesh.abi",
+    "DType": "mmmesh.abi",
     "Policy": "mmmesh.policy",
     "load_policy": "mmmesh.policy",
     "parse_policy": "mmmesh.policy",
     "Dataplane": "mmmesh.dataplane",
-    "SlaReport": "mmmesh.slareport",
+    "SlaReport": "mmmesh.sla.report",
 }
 
 __all__ = [

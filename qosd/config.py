@@ -21,20 +21,18 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from mmmesh._abi import SOCK_MAX_REPLICAS, SOCK_TUNABLES
-from mmmesh._net import parse_hostport
-from mmmesh.policy import Rate
-from mmmesh.policy._types import IfName
-
-from .reporters import DEFAULT_REPORTERS, ReporterRule
-from .slaquota import SlaLimits
+from mmmesh.abi import SOCK_MAX_REPLICAS, SOCK_TUNABLES
+from mmmesh.net import parse_hostport
+from mmmesh.policy import IfName, Rate
+from qosd.sla.quota import SlaLimits
+from qosd.sla.reporters import DEFAULT_REPORTERS, ReporterRule
 
 DEFAULT_CONFIG = Path("/etc/mmmesh/qosd.yaml")
 MIB = 1 << 20
 
 
 class PeersConfig(BaseModel):
-    """The ``peers:`` section: this qosd as a member of the mesh (qosd/peers,
+    """The ``peers:`` section: this qosd as a member of the mesh (qosd/mesh/membership,
     docs/operations.md "Peers").  Without it qosd runs alone."""
 
     model_config = ConfigDict(extra="forbid")
@@ -66,7 +64,7 @@ class PeersConfig(BaseModel):
     leave_timeout_s: float = Field(default=3.0, ge=0, le=60,
                                    description="on stop: gossip the leave this long at most")
     protocol: dict[str, float] = Field(
-        default_factory=dict, description="overrides of mmmesh.cluster.Config (timers: "
+        default_factory=dict, description="overrides of qosd.mesh.membership.core.Config (timers: "
         "probe_interval_s, suspicion_mult, ...; docs/cluster.md)")
 
     @field_validator("listen", "advertise", "seeds")
@@ -96,7 +94,7 @@ class PeersConfig(BaseModel):
         """The membership core's ``Config`` with ``protocol`` applied."""
         import dataclasses
 
-        from mmmesh.cluster import Config
+        from qosd.mesh.membership.core import Config
 
         names = {f.name: f.type for f in dataclasses.fields(Config)}
         unknown = sorted(set(self.protocol) - set(names))
@@ -318,12 +316,12 @@ class QosdConfig(BaseSettings):
         description="report-only socket for sidecars (POST /v1/sla only, mode 0666)")
     sla_reporters: list[ReporterRule] = Field(
         default_factory=lambda: list(DEFAULT_REPORTERS),
-        description="who may report which stages on sla_socket (qosd/reporters.py); default: "
+        description="who may report which stages on sla_socket (qosd/sla/reporters.py); default: "
                     "root any, units mmmesh-sidecar@<stage>.service their own, pods any")
     sla_limits: SlaLimits = Field(
         default_factory=SlaLimits,
         description="per-sender, per-uid and board-wide bounds of the SLA board "
-                    "(qosd/slaquota.py)")
+                    "(qosd/sla/quota.py)")
     api_tcp: str | None = Field(default=None,
                                 description="host:port for the admin API over TCP (token needed)")
     api_token: str | None = Field(default=None, description="bearer token for the TCP API")
@@ -365,7 +363,7 @@ class QosdConfig(BaseSettings):
     @field_validator("api_tcp", "metrics_addr")
     @classmethod
     def _hostport(cls, v: str | None, info: ValidationInfo) -> str | None:
-        """``host:port`` or ``[v6-address]:port`` (mmmesh/_net.py); "" means None.
+        """``host:port`` or ``[v6-address]:port`` (mmmesh/net.py); "" means None.
         Port 0 is refused: clients must know where to connect."""
         if v is None or v == "":
             return None

@@ -7,7 +7,7 @@ Start-up: read the config, open the policy store, adopt the pinned dataplane
 (or load it) for the current policy version, then serve the admin API on a
 unix socket (0600) and optionally on TCP (bearer token), the report socket
 (0666) and Prometheus metrics, each listener with its own connection cap
-(qosd/api/serve.py).  Every ``resync_interval_s`` the reconciler repairs
+(qosd/httpd/serve.py).  Every ``resync_interval_s`` the reconciler repairs
 drift.  Log lines at WARNING and above are limited to one per call site per
 10 s (qosd/logs.py).  Under systemd, a thread pings the watchdog while the
 event loop proves it runs (:class:`Watchdog`).  Stopping qosd leaves the
@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mmmesh._errors import MeshError
-from mmmesh._net import parse_hostport
+from mmmesh.errors import MeshError
+from mmmesh.net import parse_hostport
 
 from .config import QosdConfig, load_config
 from .logs import RateLimitFilter, install_rate_limit
@@ -143,13 +143,15 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
     """Runs qosd until SIGTERM/SIGINT (``log_filter``: flushed every interval)."""
     from starlette.concurrency import run_in_threadpool
 
-    from .api import create_app, create_sla_app, serve, serve_tcp, serve_uds
-    from .api.serve import (
+    from qosd.api import create_app, create_sla_app, serve_tcp, serve_uds
+    from qosd.httpd import serve
+    from qosd.httpd.serve import (
         ADMIN_MAX_CONNECTIONS,
         METRICS_MAX_CONNECTIONS,
         SLA_MAX_CONNECTIONS,
         ApiServer,
     )
+
     from .metrics import SlaBoardCollector, SocketLayerCollector, Target, make_registry
     from .service import QosdService
 
@@ -187,10 +189,10 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
     # still pinned on the configured cgroup is taken down
     await run_in_threadpool(svc.socket_layer.start)
 
-    from .clusterstore import start_cluster_store  # gossip (peers:) or etcd (cluster.etcd)
+    from qosd.store.cluster import start_cluster_store  # gossip (peers:) or etcd (cluster.etcd)
     store = await start_cluster_store(cfg, svc, registry)  # None: this node runs alone
     if store is not None:  # mmmesh_rollout_*, mmmesh_cluster_sla_*: the apps the store started
-        from .peers._app_metrics import ClusterAppsCollector
+        from qosd.metrics.cluster_apps import ClusterAppsCollector
         registry.register(ClusterAppsCollector(svc))
     servers: list[ApiServer] = []
     if cfg.metrics_addr:
@@ -284,8 +286,9 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
 
 def cleanup(cfg: QosdConfig) -> int:
     """Removes programs, pins, classes from every device qosd may have used."""
+    from qosd.store.local import PolicyStore
+
     from .reconciler import Reconciler
-    from .store import PolicyStore
 
     devices = set(cfg.uplinks)
     try:

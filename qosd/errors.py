@@ -1,4 +1,4 @@
-"""qosd's errors, all under mmmesh's MeshError root (see mmmesh/_errors.py).
+"""qosd's errors, all under mmmesh's MeshError root (see mmmesh/errors.py).
 
     MeshError
     └── QosdError
@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from mmmesh._errors import MeshError
+from mmmesh.errors import MeshError
 
 
 class QosdError(MeshError):

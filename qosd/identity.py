@@ -22,7 +22,7 @@ slices lies above its ``.service`` segment.  A user's own delegated subtree
 (``/user.slice/user-1000.slice/user@1000.service/...``) can hold cgroups of any
 name, but it is below ``user@1000.service``, which is never taken as a unit
 identity: such processes are ``process`` senders, and the per-uid cap of
-qosd/slaquota.py bounds all of them together.
+qosd/sla/quota.py bounds all of them together.
 
 /proc is read through one directory fd of ``/proc/<pid>`` (both files belong
 to one process, and a process that exits meanwhile fails the read instead of
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from mmmesh._errors import MeshError
+from mmmesh.errors import MeshError
 
 __all__ = [
     "ADMIN",
@@ -59,7 +59,7 @@ __all__ = [
     "sender_of_cgroup",
 ]
 
-PEER_EXTENSION = "mmmesh.peer"  # the ASGI scope key the API server (qosd/api/http11.py) fills
+PEER_EXTENSION = "mmmesh.peer"  # the ASGI scope key the API server (qosd/httpd/http11.py) fills
 MAX_PROC_READ = 64 * 1024  # /proc/<pid>/cgroup and status are far smaller
 
 

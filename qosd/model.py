@@ -18,7 +18,7 @@ thread (``run_in_threadpool``).  Which endpoint calls which method:
     GET  /v1/sla                              sla()
     GET  /healthz, /readyz                    healthy(), ready()
 
-Errors are qosd/errors.py's or mmmesh/_errors.py's (PolicyError,
+Errors are qosd/errors.py's or mmmesh/errors.py's (PolicyError,
 DataplaneError); the table in qosd/api/errors.py says what each becomes in
 HTTP (e.g. PolicyError 422 "invalid_policy" with [[field, message], ...],
 ConflictError 409 with base_version and current_version, DataplaneError 503
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mmmesh.policy import Policy
-from mmmesh.slareport import SlaReport
+from mmmesh.sla.report import SlaReport
 
 from .identity import ADMIN, Peer, Sender
 
@@ -116,7 +116,7 @@ class Service(Protocol):
         ...
     def sla(self) -> dict[str, Any]:
         """{"instances", "stages", "classes", "skipped"}: a
-        mmmesh.slareport.SlaView (qosd/slaboard.py), the body of ``GET /v1/sla``."""
+        mmmesh.sla.report.SlaView (qosd/sla/board.py), the body of ``GET /v1/sla``."""
         ...
     def healthy(self) -> bool: ...  # process is alive and serving
     def ready(self) -> bool: ...  # dataplane loaded and a policy reconciled

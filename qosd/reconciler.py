@@ -19,8 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from mmmesh._errors import DataplaneError, MeshError
 from mmmesh.dataplane import Dataplane, FlowOverride, Overrides, StageOverride, link_exists
+from mmmesh.errors import DataplaneError, MeshError
 from mmmesh.policy import Policy
 
 from .config import QosdConfig

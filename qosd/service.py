@@ -17,19 +17,19 @@ import threading
 import time
 from typing import Any
 
-from mmmesh import _abi
-from mmmesh._errors import MeshError
-from mmmesh._failpoints import failpoint
+from mmmesh import abi as _abi
+from mmmesh.errors import MeshError
+from mmmesh.failpoints import failpoint
 from mmmesh.policy import Policy, parse_policy
-from mmmesh.slareport import SlaReport
+from mmmesh.sla.report import SlaReport
+from qosd.sla.board import SlaBoard
+from qosd.store.local import PolicyStore
 
 from .config import QosdConfig
 from .errors import MeshManagedError, StoreCorruptError
 from .identity import ADMIN, Peer, ReportRefused, Sender, SenderResolver
 from .model import FlowRow, PolicyVersion, ReconcileResult
 from .reconciler import Reconciler
-from .slaboard import SlaBoard
-from .store import PolicyStore
 
 log = logging.getLogger("qosd.service")
 
@@ -45,17 +45,18 @@ class QosdService:
         self._flow_prev: dict[tuple[Any, ...], tuple[int, float]] = {}
         self._flow_lock = threading.Lock()
         self.sla_senders = SenderResolver()
-        from .controller import SlaController
+        from qosd.controller.host import SlaController
+
         from .socklayer import SocketLayerHost
 
         self.socket_layer = SocketLayerHost(cfg.socket_layer)  # off unless socket_layer.enabled
 
         self.sla_controller = SlaController(self)
         self.sla_board = SlaBoard(cfg.sla_limits, cfg.sla_reporters)
-        self.peers: Any = None  # qosd.peers.Peers with a peers: section (qosd/peers: start_peers)
-        self.cluster_sla_app: Any = None  # qosd.cluster_sla.ClusterSla, with the peers
-        self.cluster_rollout_app: Any = None  # qosd.cluster_rollout.ClusterRollout, likewise
-        # the back end of both (qosd/clusterstore: gossip or etcd); None: this node runs alone
+        self.peers: Any = None  # qosd.mesh.membership.peers.Peers with a peers: section (qosd/mesh/membership: start_peers)
+        self.cluster_sla_app: Any = None  # qosd.mesh.slaview.host.ClusterSla, with the peers
+        self.cluster_rollout_app: Any = None  # qosd.mesh.rollout.host.ClusterRollout, likewise
+        # the back end of both (qosd/store: gossip or etcd); None: this node runs alone
         self.cluster_store: Any = None
 
     # ---------------------------------------------------------- startup
@@ -225,7 +226,7 @@ class QosdService:
             "started_at": self.started_at,
             "adopted": self.reconciler.adopted,
             "sla": self.sla(),  # {"instances", "stages", "classes"}
-            # {"backend", "up", ...} (qosd/clusterstore); None: this node runs alone
+            # {"backend", "up", ...} (qosd/store); None: this node runs alone
             "cluster": self.cluster_store.status() if self.cluster_store is not None else None,
             # {"enabled", "cgroup", "loaded", "attached", "prog_ids", ...} (qosd/socklayer.py)
             "socket_layer": self.socket_layer.status(),
@@ -268,7 +269,7 @@ class QosdService:
     # -------------------------------------------------------------- SLA
     def sla_sender(self, peer: Peer) -> Sender:
         """The sender behind sla.sock credentials, if it may report at all
-        (qosd/identity.py, qosd/reporters.py; ReportRefused 403 otherwise)."""
+        (qosd/identity.py, qosd/sla/reporters.py; ReportRefused 403 otherwise)."""
         try:
             sender = self.sla_senders.resolve(peer)
         except ReportRefused as e:
@@ -281,7 +282,7 @@ class QosdService:
         return self.sla_board.report(report, sender)
 
     def sla(self) -> dict[str, Any]:
-        """{"instances", "stages", "classes", "skipped"}: qosd/slaboard.py."""
+        """{"instances", "stages", "classes", "skipped"}: qosd/sla/board.py."""
         return self.sla_board.view()
 
     def sla_explain(self) -> dict[str, Any] | None:

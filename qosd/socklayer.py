@@ -2,7 +2,7 @@
 the cgroup of ``socket_layer.cgroup``, brought up (loaded, or adopted when
 the same build is pinned) at start and checked at every resync, its
 endpoints and redirect switch from qosd.yaml, its replica weights written
-by the SLA controller (qosd/controller.py).
+by the SLA controller (qosd/controller/host.py).
 
 Like the TC side, it stays when qosd stops (the next qosd adopts it: same
 program ids, same sockets) and ``qosd --cleanup`` removes it.  Stage
@@ -20,9 +20,9 @@ import threading
 from collections import Counter
 from typing import Any
 
-from mmmesh._abi import Modality
-from mmmesh._errors import MeshError
+from mmmesh.abi import Modality
 from mmmesh.dataplane import Endpoint, SocketLayer, SocketUpResult
+from mmmesh.errors import MeshError
 
 from .config import SocketLayerConfig
 

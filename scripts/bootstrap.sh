@@ -16,7 +16,7 @@ log() { printf '[bootstrap] %s\n' "$*" >&2; }
 export DEBIAN_FRONTEND=noninteractive
 PKGS=(python3-bpfcc python3-venv python3-dev iproute2 iperf3 libbpf1 ca-certificates systemd
       prometheus etcd-server etcd-client)
-# vagrant/ (tests/test_vagrant.py): `vagrant validate`, which with the libvirt
+# vagrant/ (tests/system/vagrant/test_vagrant.py): `vagrant validate`, which with the libvirt
 # plugin also checks that provider's block, ruby for vagrant/pki.rb, shellcheck
 PKGS+=(vagrant vagrant-libvirt shellcheck)
 missing=()
@@ -33,7 +33,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
   apt_install "${missing[@]}" >/dev/null
 fi
 # The tests run prometheus and etcd (a 3-member cluster per test,
-# tests/etcd_cluster.py) as plain binaries with configs of their own; the
+# testkit/etcd_cluster.py) as plain binaries with configs of their own; the
 # packages enable system services (prometheus's node exporter too, etcd's
 # etcd.service with its alias etcd2.service): not wanted here.
 for unit in prometheus.service prometheus-node-exporter.service etcd.service; do

@@ -9,4 +9,4 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$ROOT/scripts/as-root.sh" "$0" "$@"
 cd "$ROOT"
 scripts/bootstrap.sh
-exec .venv/bin/mmmesh demo "$@"
+exec .venv/bin/mmmesh-demo "$@"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent: a separate virtualenv at .venv-mlserver holding MLServer, the
-# real KServe v2 / Open Inference Protocol server that tests/test_kserve.py
+# real KServe v2 / Open Inference Protocol server that tests/sidecar/test_kserve.py
 # runs the kserve runners against.  Separate because MLServer pins its own
 # fastapi / uvicorn / pydantic / grpcio versions.  Skips when the stamp file
 # matches the wanted requirement set.

@@ -2,7 +2,7 @@
 # The README's test command: set up this machine (idempotent), then run the
 # whole suite as root (re-run through sudo when started as another user).
 # Run as root, tests that need BPF, qdiscs or namespaces fail instead of
-# skipping when they cannot run (tests/conftest.py), CI set or not.
+# skipping when they cannot run (testkit/privileged.py), CI set or not.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$ROOT/scripts/as-root.sh" "$0" "$@"

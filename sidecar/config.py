@@ -4,7 +4,7 @@ needs about a dozen lines:
 
     stage: vision-encoder
     listen: {tcp: "0.0.0.0:9000"}
-    runner: {kind: python, target: "examples.pipeline.stages:vision_encoder"}
+    runner: {kind: python, target: "demo.pipeline.stages:vision_encoder"}
     outputs:
       - {name: fusion, address: "10.0.3.2:9000", modality: tensor, sla_class: video}
     qosd: {socket: /run/mmmesh/sla.sock}
@@ -25,9 +25,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from mmmesh._abi import SOCK_MAX_REPLICAS, SOCK_MAX_WEIGHT
-from mmmesh._net import check_hostport, parse_hostport
-from mmmesh.slareport import MAX_WINDOW_S
+from mmmesh.abi import SOCK_MAX_REPLICAS, SOCK_MAX_WEIGHT
+from mmmesh.net import check_hostport, parse_hostport
+from mmmesh.sla.report import MAX_WINDOW_S
 from mmmesh.wire import parse_modality
 
 
@@ -37,7 +37,7 @@ class _M(BaseModel):
 
 def _hostport(v: str | None, info: ValidationInfo) -> str | None:
     """A ``host:port`` field (``[v6-address]:port`` for IPv6), checked by
-    ``mmmesh._net`` as everywhere in mmmesh; None stays None."""
+    ``mmmesh.net`` as everywhere in mmmesh; None stays None."""
     return None if v is None else check_hostport(v, what=str(info.field_name))
 
 

@@ -17,7 +17,7 @@ Data path of one sidecar (one model pod):
     every frame: one SlaSample to the SlaSink (sla.SlaRecorder: Prometheus + qosd)
 
 Tensor payload encoding (docs/wire-format.md): one tensor per frame; the
-TENSOR TLV gives dtype (mmmesh._abi.DType, KServe v2 names) and shape; the
+TENSOR TLV gives dtype (mmmesh.abi.DType, KServe v2 names) and shape; the
 payload is the raw C-order bytes of the array (little-endian numeric types).
 :func:`tensor_from_frame` (frame -> array) and :func:`tensor_spec` (array ->
 TENSOR TLV) below are the one implementation.
@@ -44,10 +44,10 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from mmmesh import _abi
+from mmmesh import abi as _abi
 from mmmesh.wire import Header, TensorSpec
 
-# mmmesh._abi.DType <-> numpy
+# mmmesh.abi.DType <-> numpy
 DTYPE_TO_NUMPY: dict[int, np.dtype] = {
     _abi.DType.BOOL: np.dtype(np.bool_),
     _abi.DType.UINT8: np.dtype("<u1"),

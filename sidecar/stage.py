@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from mmmesh._abi import Flag
+from mmmesh.abi import Flag
 from mmmesh.wire import Header, TensorSpec, encode_header, parse_modality
 
 from .config import Output, SidecarConfig

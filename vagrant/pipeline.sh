@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The pipeline demo (`mmmesh demo --pipeline`) across the testbed's VMs, run
+# The pipeline demo (`mmmesh-demo --pipeline`) across the testbed's VMs, run
 # from vagrant/ on the host once `vagrant up` is done (vagrant/README.md):
 #
 #   ./pipeline.sh [--rate 300mbit] [--duration 8] [--flood 0.5] [--lead 20]

@@ -1,7 +1,7 @@
 """One VM's share of the pipeline demo on the Vagrant testbed (vagrant/pipeline.sh
 runs it on each VM, as root, with the venv's python).
 
-The demo (``mmmesh demo --pipeline``, :mod:`mmmesh.demo.pipeline`) runs its
+The demo (``mmmesh-demo --pipeline``, :mod:`demo.pipeline.run`) runs its
 stages in three network namespaces of one machine; here each VM is a node:
 
     node1 (sensors)  camera, mic, LiDAR (+ the background video flood) --eth1-->
@@ -53,9 +53,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from mmmesh.demo import pipeline as demo
-from mmmesh.demo import pipeline_procs as procs
-from mmmesh.demo.testbed import Child
+from demo.pipeline import procs
+from demo.pipeline import run as demo
+from demo.testbed import Child
 
 ROLES = ("sensors", "edge", "core")
 WARMUP_S, DRAIN_S = 0.7, 1.0  # as PipelineConfig: the flood's head start, the drain
@@ -141,7 +141,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     from mmmesh.policy import Rate
 
     procs.examples_importable()
-    from examples.pipeline import make_onnx
+    from demo.pipeline import onnx_models as make_onnx
 
     q = qosd_config()
     node, sla = q["node"], q["sla_socket"]
@@ -193,8 +193,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                 res = {k.removesuffix(".yaml"): c.result(wait) for k, c in stages.items()}
                 out["stages"] = _stage_summary(res)
             else:  # sensors
-                from mmmesh.demo.streams import TrafficSpec
-                from mmmesh.demo.traffic import flood_sender
+                from demo.streams import TrafficSpec
+                from demo.traffic import flood_sender
 
                 before = class_counts(q["api_socket"], q["device"])
                 flood = None
@@ -245,7 +245,7 @@ def _stage_summary(res: dict[str, Any]) -> dict[str, Any]:
 # report: the three roles' outputs together
 # --------------------------------------------------------------------------
 def cmd_report(a: argparse.Namespace) -> int:
-    from mmmesh.demo.pipeline_cli import format_table
+    from demo.pipeline.cli import format_table
     from mmmesh.policy import Rate
 
     got: dict[str, dict[str, Any]] = {}

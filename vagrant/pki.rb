@@ -20,7 +20,7 @@
 # this mesh afterwards.  To change the nodes (nodes.conf), delete pki/ and run
 # `vagrant provision` (it makes a new set, every node picks it up).
 #
-# Command line (what tests/test_vagrant.py runs):  ruby pki.rb OUT_DIR NODES_CONF
+# Command line (what tests/system/vagrant/test_vagrant.py runs):  ruby pki.rb OUT_DIR NODES_CONF
 
 require "fileutils"
 require "openssl"

@@ -212,7 +212,7 @@ UNIT="$ROOT/etc/systemd/system/qosd.service"
 put_qosd "$REPO/qosd/qosd.service" "$UNIT" 644
 # systemd-analyze verify checks that ExecStart's program exists.  Installed,
 # that is /opt/mmmesh/.venv/bin/qosd; under MMMESH_ROOT it checks a copy run
-# from this checkout instead (as tests/test_unit_hardening.py does).
+# from this checkout instead (as tests/system/qosd/test_unit_hardening.py does).
 verify_unit="$UNIT"
 if ! real_root || [ "$REPO" != "$INSTALLED_REPO" ]; then
   if real_root; then # a checkout elsewhere: /opt/mmmesh -> it (docs/operations.md)

@@ -2,7 +2,7 @@
 /* Policy lookup: header -> class id, source-rule clamp, flow table, override
  * (boost leaf), priority, DSCP, counters.  The pure-Python reference of the
  * same semantics is mmmesh.policy.classify_reference() (the override step:
- * tests/overrides_kit.py); tests compare the two. */
+ * testkit/overrides.py); tests compare the two. */
 #ifndef MM_CLASSIFY_H
 #define MM_CLASSIFY_H
 

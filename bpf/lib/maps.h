@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The maps of the TC classifier.  Their declarations are generated from
- * mmmesh/_abi.py (MAPS) into include/mm_maps.h, with the key and value
+ * mmmesh/abi.py (MAPS) into include/mm_maps.h, with the key and value
  * layouts in include/mm_abi.h; user space pins these maps under
  * /sys/fs/bpf/mmmesh/ and rewrites the policy maps in place. */
 #ifndef MM_LIB_MAPS_H

@@ -36,8 +36,10 @@ via ctypes), ``_netlink`` (pyroute2: clsact, filters, HTB), ``_compile``
 (test runs of the real program, for the CLI and the tests).
 """
 
+from mmmesh.policy.overrides import Boost, FlowOverride, OverrideEntry, Overrides, StageOverride
+
+from ._bcc import build_id
 from ._handle import Dataplane, link_exists
-from ._overrides import Boost, FlowOverride, OverrideEntry, Overrides, StageOverride
 from ._pins import PIN_ROOT, ensure_bpffs
 from ._socklayer import (
     Endpoint,
@@ -83,6 +85,7 @@ __all__ = [
     "SocketUpResult",
     "StageOverride",
     "UpResult",
+    "build_id",
     "ensure_bpffs",
     "handle",
     "link_exists",

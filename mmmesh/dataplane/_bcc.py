@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._abi import (
+from mmmesh.abi import (
     MAP_NAMES,
     PROGRAMS,
     SOCK_MAP_NAMES,
@@ -23,7 +23,7 @@ from .._abi import (
     SOCK_TUNABLES,
     TUNABLES,
 )
-from .._errors import DataplaneError, NotSupportedError
+from mmmesh.errors import DataplaneError, NotSupportedError
 
 BPF_DIR = Path(__file__).resolve().parent.parent.parent / "bpf"
 MAIN_SOURCE = BPF_DIR / "mm_tc.c"
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mmmesh.dataplane._bcc")
     ap.add_argument("pin_dir")
     ap.add_argument("-D", dest="tunables", action="append", default=[],
-                    help="tunable NAME=VALUE (see mmmesh/_abi.py TUNABLES)")
+                    help="tunable NAME=VALUE (see mmmesh/abi.py TUNABLES)")
     ap.add_argument("--layer", choices=sorted(LAYERS), default="tc",
                     help="which object: the TC classifier or the socket layer")
     a = ap.parse_args(argv)

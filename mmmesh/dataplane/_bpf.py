@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any, TypeVar
 
-from .._errors import DataplaneError, NotSupportedError
+from mmmesh.errors import DataplaneError, NotSupportedError
 
 BPF_ANY = 0
 BPF_NOEXIST = 1

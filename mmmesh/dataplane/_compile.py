@@ -14,10 +14,18 @@ import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .. import _abi
-from .._errors import DataplaneError
+from mmmesh import abi as _abi
+from mmmesh.errors import DataplaneError
+from mmmesh.policy.overrides import (
+    PROTOCOLS,
+    FlowOverride,
+    Overrides,
+    StageOverride,
+    address,
+    network,
+)
+
 from ..policy import MAX_WEIGHT, QUANTUM_UNIT, Policy, TrafficClass
-from ._overrides import PROTOCOLS, FlowOverride, Overrides, StageOverride, address, network
 from ._types import HtbClass, HtbClassStats, HtbSpec
 
 _MAX_PRIO = 7  # HTB prios 0..7
@@ -57,6 +65,7 @@ def src_key(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> _abi.SrcKey:
 # guarantees are paced as before.  0: the kernel's default.
 HTB_BURST_US = 1000
 HTB_MIN_BURST = 1600  # bytes: the kernel default's floor
+LEAF_LIMIT = 100  # packets in a leaf's queue: short queues keep a class's delay bounded
 
 
 def htb_burst(rate_bps: int) -> int | None:
@@ -125,6 +134,7 @@ def compile_policy(policy: Policy, version: int = 0) -> CompiledPolicy:
             )
             for c in policy.classes
         ),
+        leaf_limit=LEAF_LIMIT,
         link_burst=htb_burst(link),
     )
     return CompiledPolicy(config, classes, modalities, sources, htb)

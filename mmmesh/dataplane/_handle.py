@@ -16,9 +16,11 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from .. import _abi
-from .._errors import DataplaneError
-from .._failpoints import failpoint
+from mmmesh import abi as _abi
+from mmmesh.errors import DataplaneError
+from mmmesh.failpoints import failpoint
+from mmmesh.policy.overrides import FlowOverride, OverrideEntry, Overrides, StageOverride
+
 from ..policy import Policy
 from . import _bpf, _pins
 from ._compile import (
@@ -31,7 +33,6 @@ from ._compile import (
     transition_spec,
 )
 from ._maps import Maps, addr_text, be16
-from ._overrides import FlowOverride, OverrideEntry, Overrides, StageOverride
 from ._types import (
     ClassStatus,
     DataplaneStats,

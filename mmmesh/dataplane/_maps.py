@@ -7,11 +7,12 @@ import ipaddress
 import os
 from typing import Any
 
-from .. import _abi
-from .._failpoints import failpoint
+from mmmesh import abi as _abi
+from mmmesh.failpoints import failpoint
+from mmmesh.policy.overrides import PROTOCOLS, Boost, FlowOverride, OverrideEntry, StageOverride
+
 from ._bpf import Map, count_by_next_key, count_map_entries, obj_get
 from ._compile import CompiledOverrides, CompiledPolicy
-from ._overrides import PROTOCOLS, Boost, FlowOverride, OverrideEntry, StageOverride
 from ._types import DirectionCounters, FlowCensus
 
 USER_MAPS = tuple(m for m in _abi.MAPS if m.user)

@@ -7,7 +7,7 @@ Kernel objects mmmesh owns on a device:
     leaf class ``1:<id>`` per policy class, each with a short leaf queue.
 Every call is idempotent (replace verbs) so a reconciler can re-apply.
 Testbeds (namespaces, veth links, addresses, routes) are built elsewhere:
-``mmmesh/demo/netlab.py``.
+``demo/netlab.py``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from pyroute2 import config as pyroute2_config
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl.tcmsg import sched_htb
 
-from .._abi import HTB_MAJOR, MAX_CLASSES
-from .._errors import DataplaneError
+from mmmesh.abi import HTB_MAJOR, MAX_CLASSES
+from mmmesh.errors import DataplaneError
+
 from ._types import HtbClass, HtbClassStats, HtbSpec
 
 

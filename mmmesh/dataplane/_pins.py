@@ -19,8 +19,9 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from .. import _abi
-from .._errors import DataplaneError, MeshError
+from mmmesh import abi as _abi
+from mmmesh.errors import DataplaneError, MeshError
+
 from . import _bpf
 from ._maps import Maps
 

@@ -20,8 +20,9 @@ import re
 import string
 from typing import Self
 
-from .. import _abi
-from .._errors import DataplaneError, NotSupportedError
+from mmmesh import abi as _abi
+from mmmesh.errors import DataplaneError, NotSupportedError
+
 from . import _bpf
 from ._bpf import Map
 from ._pins import PIN_ROOT

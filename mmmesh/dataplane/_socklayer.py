@@ -25,8 +25,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _abi
-from .._errors import DataplaneError
+from mmmesh import abi as _abi
+from mmmesh.errors import DataplaneError
+
 from . import _pins, _sock
 from ._bpf import count_by_next_key
 

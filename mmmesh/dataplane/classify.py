@@ -13,14 +13,15 @@ import errno
 from dataclasses import asdict, dataclass
 from typing import Any, Self
 
-from .. import _abi
-from .._errors import DataplaneError
+from mmmesh import abi as _abi
+from mmmesh.errors import DataplaneError
+from mmmesh.policy.overrides import OverrideEntry, Overrides
+
 from ..policy import Policy
 from . import _bpf
 from ._bcc import compile_and_load
 from ._compile import compile_overrides, compile_policy
 from ._maps import Maps
-from ._overrides import OverrideEntry, Overrides
 
 TC_ACT_OK = 0
 TC_ACT_NAMES = {0: "pass", 2: "drop", 7: "redirect", -1: "unspec"}

@@ -7,7 +7,8 @@ import ctypes
 import socket
 import time
 
-from .. import _abi
+from mmmesh import abi as _abi
+
 from . import _bpf
 from ._bpf import TestRunResult
 from ._handle import Dataplane

@@ -7,7 +7,7 @@ to one class and writes that class's handle into ``skb->priority``.
 
 A policy is refused whole: :func:`parse_policy` and :func:`load_policy` either
 return a fully validated, immutable :class:`Policy` or raise
-:class:`~mmmesh._errors.PolicyError` listing every problem as ``(field path,
+:class:`~mmmesh.errors.PolicyError` listing every problem as ``(field path,
 message)``, the path written like ``classes[2].rate``.  Structural problems
 (types, ranges, unknown fields) are reported first, all together; the
 cross-field rules run once the structure is valid, and report all together too.
@@ -36,7 +36,7 @@ This module is the public face; the code lives in one module per role:
 """
 
 from ..wire import MODALITY_ALIASES
-from ._adapt import Adapt, Objective
+from ._adapt import KNOBS, Adapt, Objective, bounds, policy_values
 from ._schema import (
     API_VERSION,
     MAX_WEIGHT,
@@ -49,16 +49,18 @@ from ._schema import (
     TrafficClass,
     policy_json_schema,
 )
-from ._types import Rate
+from ._types import IfName, Rate, format_rate
 from ._yaml import load_policy, parse_policy
 from .reference import Verdict, classify_reference, reference_verdict
 
 __all__ = [
     "API_VERSION",
+    "KNOBS",
     "MAX_WEIGHT",
     "MODALITY_ALIASES",
     "QUANTUM_UNIT",
     "Adapt",
+    "IfName",
     "Link",
     "Match",
     "MetaRange",
@@ -68,9 +70,12 @@ __all__ = [
     "SourceRule",
     "TrafficClass",
     "Verdict",
+    "bounds",
     "classify_reference",
+    "format_rate",
     "load_policy",
     "parse_policy",
     "policy_json_schema",
+    "policy_values",
     "reference_verdict",
 ]

@@ -4,7 +4,7 @@ Both are optional per class.  ``sla`` states what the class is promised:
 ``p99_ms`` (the 99th percentile of the frames' end-to-end latency over a
 window) and/or ``attainment`` (the share of frames that arrived within their
 own deadline).  ``adapt`` gives, per HTB parameter, the inclusive range
-``[min, max]`` within which the controller (``mmmesh.controller``) may move
+``[min, max]`` within which the controller (``qosd.controller.core``) may move
 the class away from its policy value; a parameter without a range stays at
 the policy's value.
 

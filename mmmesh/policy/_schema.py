@@ -4,7 +4,7 @@ Every model is frozen and refuses unknown fields.  Structural problems (types,
 ranges, unknown fields) are reported first, all together; once the structure is
 valid, :func:`_cross_errors` runs every cross-field rule and reports all its
 findings together too.  :func:`policy_error` turns a pydantic ValidationError
-into the one :class:`~mmmesh._errors.PolicyError`, with paths written like
+into the one :class:`~mmmesh.errors.PolicyError`, with paths written like
 ``classes[2].rate``; no pydantic ValidationError leaves a :class:`Policy`
 constructor.
 """
@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from .._abi import (
+from mmmesh.abi import (
     DEFAULT_MAX_SRC_RULES,
     DSCP_KEEP,
     HTB_MAJOR,
@@ -35,7 +35,8 @@ from .._abi import (
     MetaKind,
     Modality,
 )
-from .._errors import PolicyError, field_path
+from mmmesh.errors import PolicyError, field_path
+
 from ._adapt import Adapt, Objective, adapt_errors
 from ._types import (
     U32,

@@ -30,7 +30,8 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, core_schema
 
-from .._abi import Modality
+from mmmesh.abi import Modality
+
 from ..wire import MODALITY_ALIASES, modality_from_name, modality_names
 
 U32_MAX = 2**32 - 1

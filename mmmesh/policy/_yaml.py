@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from .._errors import PolicyError
+from mmmesh.errors import PolicyError
+
 from ._schema import Policy, policy_error
 
 # libyaml's parser where PyYAML was built with it (~10x faster); same safe

@@ -25,7 +25,7 @@ The admin API:
     POST /v1/policy/rollback            {"to_version", "base_version", "author"} -> like PUT
     GET  /v1/status                     the service's status()
     GET  /v1/flows/top?n=20             {"flows": [...]}, busiest first
-    POST /v1/sla                        a sidecar's window (mmmesh.slareport.SlaReport)
+    POST /v1/sla                        a sidecar's window (mmmesh.sla.report.SlaReport)
                                         -> {"accepted": n}
     GET  /v1/sla                        {"instances", "stages", "classes"}: the latest windows
                                         per sidecar, per stage, per class (SlaView)
@@ -57,10 +57,11 @@ The modules, one role each:
 
 from __future__ import annotations
 
+from qosd.httpd.serve import ApiServer, bind_tcp, bind_uds, serve, serve_tcp, serve_uds
+
 from .app import API_VERSION, create_app, create_sla_app
 from .models import MAX_BODY_BYTES, MAX_YAML_BYTES
 from .openapi import openapi_document, openapi_text, write_openapi
-from .serve import ApiServer, bind_tcp, bind_uds, serve, serve_tcp, serve_uds
 
 __all__ = [
     "API_VERSION",

@@ -17,7 +17,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from mmmesh.slareport import SlaAccepted, SlaReport, SlaView
+from mmmesh.sla.report import SlaAccepted, SlaReport, SlaView
 
 from ..errors import NotFoundError
 from ..identity import ADMIN, ReportRefused, Sender, peer_of

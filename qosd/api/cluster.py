@@ -1,8 +1,8 @@
-"""``/v1/cluster/members``: how this node sees the mesh (qosd/peers).
+"""``/v1/cluster/members``: how this node sees the mesh (qosd/mesh/membership).
 
 Answered on the event loop from one snapshot of the membership core; 404
 ``not_found`` when qosd runs without a ``peers:`` section.  With the etcd back
-end (qosd/clusterstore) the service answers ``cluster_members()`` in the same
+end (qosd/store) the service answers ``cluster_members()`` in the same
 shape: the nodes with a live lease, and those gone recently (``dead``, or
 ``left`` after a graceful stop).  Times are
 seconds before the answer (``since_s``: in this state; ``last_ack_s``: this

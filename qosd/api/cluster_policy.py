@@ -7,7 +7,7 @@
 
 The routes take their provider from the service at each request:
 ``service.cluster_rollout()`` returns a
-:class:`mmmesh.cluster.rollout.RolloutProvider` (``propose``, ``table``), or
+:class:`qosd.mesh.rollout.core.RolloutProvider` (``propose``, ``table``), or
 None while this qosd has no peers (then 503 ``peers_not_enabled``).  A
 provider that has not exchanged state with any peer yet refuses to propose
 (503 ``not_synced``: retry in a few seconds).  docs/cluster.md ("Policy
@@ -22,8 +22,8 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from mmmesh.cluster import ClusterError
-from mmmesh.cluster.rollout import NotSynced, RolloutConflict
+from qosd.mesh.membership.core import ClusterError
+from qosd.mesh.rollout.core import NotSynced, RolloutConflict
 
 from .errors import E413, E422, ErrorBody, Responses, error_response
 from .models import Author, PolicyYaml
@@ -78,7 +78,7 @@ class RolloutTableBody(BaseModel):
 
 
 class RolloutProviderLike(Protocol):
-    """What ``service.cluster_rollout()`` returns (mmmesh.cluster.rollout.RolloutProvider)."""
+    """What ``service.cluster_rollout()`` returns (qosd.mesh.rollout.core.RolloutProvider)."""
 
     def propose(self, text: str, base_version: str | None = None,
                 author: str | None = None) -> dict[str, Any]: ...

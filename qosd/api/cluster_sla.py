@@ -1,5 +1,5 @@
 """``GET /v1/cluster/sla``: the global SLA view of the mesh
-(:mod:`mmmesh.cluster.slaview`), per class and modality over every node, with
+(:mod:`qosd.mesh.slaview.core`), per class and modality over every node, with
 the per-node breakdown.
 
 The route takes the view from the service it is given, through one method

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mmmesh._errors import DataplaneError, MeshError, PolicyError, field_path
+from mmmesh.errors import DataplaneError, MeshError, PolicyError, field_path
 
 from ..errors import (
     ConflictError,

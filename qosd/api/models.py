@@ -2,7 +2,7 @@
 conversions from the service's own types (qosd/model.py) into them.
 
 The SLA bodies (``SlaReport``, ``SlaAccepted``, ``SlaView``) are not here: they
-are mmmesh/slareport.py's, shared with the sidecar and mmmeshctl.
+are mmmesh/sla/report.py's, shared with the sidecar and mmmeshctl.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from mmmesh.policy import Policy
-from mmmesh.slareport import SlaView
+from mmmesh.sla.report import SlaView
 
 from ..model import FlowRow, PolicyVersion, ReconcileResult
 

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from mmmesh._files import write_atomic
+from mmmesh.files import write_atomic
 
 from .app import create_app
 

@@ -16,7 +16,7 @@ scrape's ``instance`` label, which tells the nodes apart)::
     mmmesh_htb_class_backlog_bytes{iface,class}, mmmesh_htb_class_queue_packets{iface,class}
     mmmesh_flows{iface}, mmmesh_flows_capacity{iface}, mmmesh_class_flows{iface,class}
 
-    SLA board (_sla.py, read at scrape time from qosd/slaboard.py)
+    SLA board (_sla.py, read at scrape time from qosd/sla/board.py)
     mmmesh_sla_attainment_ratio{class,modality}        node-wide, all stages merged
     mmmesh_sla_window_{frames,deadline_misses,drops,errors,sources}{class,modality}
     mmmesh_sla_e2e_latency_seconds{class,modality,percentile}  p50|p90|p99, merged sketches
@@ -40,7 +40,7 @@ scrape's ``instance`` label, which tells the nodes apart)::
     mmmesh_resync_last_run_timestamp_seconds (heartbeat), mmmesh_resync_interval_seconds
     process_* (prometheus_client's ProcessCollector: RSS, open fds, CPU, start time)
 
-    the mesh (with a peers: section; qosd/peers/_metrics.py, qosd/peers/_app_metrics.py;
+    the mesh (with a peers: section; qosd/metrics/peers.py, qosd/metrics/cluster_apps.py;
     the tables in _cluster.py)
     mmmesh_cluster_members{state}, mmmesh_cluster_<membership and transport counters>,
     mmmesh_cluster_probe_rtt_seconds (histogram), mmmesh_cluster_cert_expiry_timestamp_seconds
@@ -85,7 +85,7 @@ PROCESS_METRICS = ("process_resident_memory_bytes", "process_open_fds", "process
 def exported_names(cluster: bool = True) -> set[str]:
     """Every sample name qosd's registry can export (but ``process_*``); with
     ``cluster``, the mesh's too (``mmmesh_cluster_*``, ``mmmesh_rollout_*``:
-    exported with a ``peers:`` section; this imports qosd.peers)."""
+    exported with a ``peers:`` section; this imports qosd.mesh.membership.peers)."""
     names = (sample_names(DATAPLANE_METRICS) | sample_names(QOSD_METRICS)
              | sample_names(SLA_METRICS) | sample_names(SOCKLAYER_METRICS))
     if cluster:

@@ -1,9 +1,9 @@
-"""What the mesh's collectors export, as tables: qosd/peers/_metrics.py
+"""What the mesh's collectors export, as tables: qosd/metrics/peers.py
 (membership, transport; it builds its families by hand, so this table is
-checked against a scrape of it by tests/test_metrics_cluster.py) and, re-exported,
-qosd/peers/_app_metrics.py's own tables (rollout, global SLA view).
+checked against a scrape of it by tests/system/qosd/test_metrics_cluster.py) and, re-exported,
+qosd/metrics/cluster_apps.py's own tables (rollout, global SLA view).
 
-Imported lazily by :func:`qosd.metrics.exported_names`: qosd.peers pulls in
+Imported lazily by :func:`qosd.metrics.exported_names`: qosd.mesh.membership.peers pulls in
 gRPC, which a reader of the node's metrics does not need."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from ._spec import Spec
 
 # But the membership core's counters, mmmesh_cluster_<CORE_COUNTERS>_total:
-# cluster_specs() adds them from qosd/peers/_metrics.py itself.
+# cluster_specs() adds them from qosd/metrics/peers.py itself.
 PEERS_METRICS: Spec = {
     "mmmesh_cluster_members": ("gauge", ("state",),
                                "Members known by state (this node included)"),
@@ -36,9 +36,9 @@ PEERS_METRICS: Spec = {
 
 
 def cluster_specs() -> dict[str, Spec]:
-    """Every table of the mesh's metrics by collector (imports qosd.peers)."""
-    from qosd.peers._app_metrics import CLUSTER_SLA_METRICS, ROLLOUT_METRICS
-    from qosd.peers._metrics import CORE_COUNTERS
+    """Every table of the mesh's metrics by collector (imports qosd.mesh.membership.peers)."""
+    from qosd.metrics.cluster_apps import CLUSTER_SLA_METRICS, ROLLOUT_METRICS
+    from qosd.metrics.peers import CORE_COUNTERS
 
     core: Spec = {f"mmmesh_cluster_{k}_total": ("counter", (), v)
                   for k, v in CORE_COUNTERS.items()}

@@ -36,9 +36,9 @@ from typing import Protocol
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from mmmesh import _abi
-from mmmesh._errors import DataplaneError
+from mmmesh import abi as _abi
 from mmmesh.dataplane import Dataplane, DataplaneStats, HtbClassStats
+from mmmesh.errors import DataplaneError
 
 from ._spec import Family, Spec, new_families
 

@@ -9,7 +9,7 @@ from typing import Any, Self
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from mmmesh._net import parse_hostport
+from mmmesh.net import parse_hostport
 
 DEFAULT_HOST = "127.0.0.1"  # an address without a host is served on loopback only
 

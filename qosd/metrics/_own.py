@@ -20,7 +20,7 @@ import time
 from prometheus_client import CollectorRegistry, Gauge, Histogram, Info
 from prometheus_client import Counter as PromCounter
 
-from mmmesh import _abi
+from mmmesh import abi as _abi
 
 from ..model import ReconcileResult
 from ._spec import Spec
@@ -66,7 +66,7 @@ def build_labels() -> dict[str, str]:
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     try:
-        from mmmesh.dataplane._bcc import build_id  # hashes the source; bcc is not imported
+        from mmmesh.dataplane import build_id  # hashes the source; bcc is not imported
 
         bpf_build = f"{build_id():016x}"
     except Exception:  # noqa: BLE001 - no BPF source shipped: the rest still says enough

@@ -1,6 +1,6 @@
 """The SLA board's node-wide view and its own counters, read at scrape time.
 
-:class:`SlaBoardCollector` asks the board (qosd/slaboard.py) for ``view()``
+:class:`SlaBoardCollector` asks the board (qosd/sla/board.py) for ``view()``
 and ``stats()`` on every scrape.  From the view it exports the ``classes``
 rows: per (class, modality), every fresh window of every stage and sender on
 this node merged (attainment frame-weighted, latency quantiles from the
@@ -74,7 +74,7 @@ SLA_METRICS: Spec = {
 
 
 class BoardReader(Protocol):
-    """What the collector reads of the board (:class:`qosd.slaboard.SlaBoard`)."""
+    """What the collector reads of the board (:class:`qosd.sla.board.SlaBoard`)."""
 
     def view(self, now: float | None = None) -> dict[str, Any]: ...
 

@@ -1,5 +1,5 @@
 """The socket layer's node-wide counters and the SLA controller's kernel
-writes, read at scrape time (qosd/socklayer.py, qosd/controller_kernel.py).
+writes, read at scrape time (qosd/socklayer.py, qosd/controller/kernel.py).
 
 ``mmmesh_socklayer_*`` come from ``SocketLayer.status()`` (one open of the
 pinned maps, the per-CPU counters summed); they are there only when

@@ -35,7 +35,7 @@ import tritonclient.http as httpclient  # type: ignore[import-untyped]
 import tritonclient.http.aio as httpaio  # type: ignore[import-untyped]
 from tritonclient.utils import InferenceServerException  # type: ignore[import-untyped]
 
-from mmmesh._errors import MeshError
+from mmmesh.errors import MeshError
 from sidecar.config import RunnerConfig
 from sidecar.contract import KSERVE_NAMES, NUMPY_TO_DTYPE, StageInput
 

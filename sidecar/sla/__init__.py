@@ -9,10 +9,10 @@ together:
 * ``prometheus``: the ``mmmesh_stage_*`` families and the transport counters,
   read at scrape time, served on ``metrics_addr``;
 * ``reporter``: every ``cfg.qosd.report_interval_s`` the window is closed and
-  POSTed to qosd as an ``mmmesh.slareport.SlaReport`` (the schema qosd
+  POSTed to qosd as an ``mmmesh.sla.report.SlaReport`` (the schema qosd
   validates with).
 
-:func:`merge` (from :mod:`mmmesh.slasketch`, shared with qosd) combines the
+:func:`merge` (from :mod:`mmmesh.sla.sketch`, shared with qosd) combines the
 reports of several sidecars (the point of the mergeable sketches) into a
 node-wide summary.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from mmmesh.slasketch import QUANTILES, RELATIVE_ACCURACY, decode_sketch, encode_sketch, merge
+from mmmesh.sla.sketch import QUANTILES, RELATIVE_ACCURACY, decode_sketch, encode_sketch, merge
 
 from ..config import SidecarConfig
 from ..contract import SlaSample

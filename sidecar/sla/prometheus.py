@@ -29,7 +29,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from mmmesh._net import parse_hostport
+from mmmesh.net import parse_hostport
 
 from .windows import BUCKETS_S, SlaWindows
 

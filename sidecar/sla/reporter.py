@@ -1,6 +1,6 @@
 """Reporting SLA windows to qosd: ``POST /v1/sla`` on its report-only unix socket.
 
-A report is built with the one schema of it, :mod:`mmmesh.slareport` (the
+A report is built with the one schema of it, :mod:`mmmesh.sla.report` (the
 models qosd validates the request with): per stage one ``SlaReport`` with one
 ``SlaClassReport`` per (class, modality) seen since start::
 
@@ -27,8 +27,8 @@ from typing import Any
 import httpx
 from ddsketch import DDSketch
 
-from mmmesh.slareport import MAX_WINDOW_S, Quantiles, SlaClassReport, SlaReport
-from mmmesh.slasketch import encode_sketch, summary
+from mmmesh.sla.report import MAX_WINDOW_S, Quantiles, SlaClassReport, SlaReport
+from mmmesh.sla.sketch import encode_sketch, summary
 
 from .windows import Key, Window
 
@@ -99,7 +99,7 @@ class QosdReporter:
 
     def open(self) -> None:
         if self._client is None:
-            # qosd closes a connection idle for 5 s (qosd/api/http11.py): reuse one
+            # qosd closes a connection idle for 5 s (qosd/httpd/http11.py): reuse one
             # only within KEEPALIVE_S of its last answer, well before that
             self._client = httpx.AsyncClient(
                 transport=httpx.AsyncHTTPTransport(

@@ -29,7 +29,7 @@ import time
 
 from ddsketch import DDSketch
 
-from mmmesh.slasketch import new_sketch
+from mmmesh.sla.sketch import new_sketch
 
 from ..contract import SlaSample
 

@@ -33,8 +33,8 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mmmesh._errors import WireError
-from mmmesh._net import parse_hostport
+from mmmesh.errors import WireError
+from mmmesh.net import parse_hostport
 from mmmesh.wire import Header, frame
 
 from ..contract import drop_late

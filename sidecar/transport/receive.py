@@ -36,9 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmmesh import _abi
-from mmmesh._errors import WireError
-from mmmesh._net import listen_tcp, parse_hostport
+from mmmesh import abi as _abi
+from mmmesh.errors import WireError
+from mmmesh.net import listen_tcp, parse_hostport
 from mmmesh.wire import Header, decode_frame, decode_header
 
 from ..bufpool import BufferPool

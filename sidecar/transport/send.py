@@ -49,8 +49,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmmesh._errors import WireError
-from mmmesh._net import parse_hostport
+from mmmesh.errors import WireError
+from mmmesh.net import parse_hostport
 from mmmesh.wire import Header, frame
 
 from ..config import Limits, Output

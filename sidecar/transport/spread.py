@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mmmesh._abi import SOCK_MAX_WEIGHT
+from mmmesh.abi import SOCK_MAX_WEIGHT
 
 __all__ = ["Swrr"]
 

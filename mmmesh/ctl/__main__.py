@@ -1,5 +1,0 @@
-"""``python -m mmmesh.ctl``: the same as the ``mmmeshctl`` console script."""
-
-from . import main
-
-main()

@@ -1,0 +1,5 @@
+"""``python -m mmmeshctl``: the same as the ``mmmeshctl`` console script."""
+
+from . import main
+
+main()

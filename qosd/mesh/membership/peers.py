@@ -1,0 +1,49 @@
+"""qosd's peers: this node as a member of the mesh, over gRPC with mutual TLS.
+
+The membership protocol is ``qosd.mesh.membership.core`` (a sans-I/O SWIM + Lifeguard
+core); this package is its host in qosd (docs/cluster.md, "Transport")::
+
+    _host.py       Peers: drives the core on the event loop, seeds (DNS), leave,
+                   the applications' hooks (broadcast, push-pull sections, fetch)
+    _transport.py  the gRPC server (authenticate, limit, decode) and channel pool
+    _identity.py   node ids bound to certificates; credentials; seed identification
+    _wire.py       core messages <-> proto/qosd/mesh/protocol/peer.proto bytes
+    _limits.py     per-peer token buckets
+    _rtt.py        probe round-trip histogram
+    _metrics.py    the Prometheus collector
+
+:func:`start_peers` is what the daemon calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from qosd.metrics.peers import PeersCollector
+
+from ._host import Peers, Section, resolve
+from ._identity import PeersError, node_of_uri, spiffe_id, valid_node_id
+
+__all__ = ["Peers", "PeersCollector", "PeersError", "Section", "node_of_uri", "resolve",
+           "spiffe_id", "start_peers", "valid_node_id"]
+
+log = logging.getLogger("qosd.mesh.membership.peers")
+
+
+async def start_peers(cfg: Any, service: Any, registry: Any) -> Peers | None:
+    """Starts the peers of ``cfg.peers`` (None without that section), puts them
+    on ``service.peers`` (the API's /v1/cluster routes) and their collector in
+    ``registry``.  A configuration that cannot work stops qosd (exit 2)."""
+    if cfg.peers is None:
+        return None
+    try:
+        peers = Peers(cfg.peers, cfg.node_name)
+        await peers.start()
+    except (PeersError, OSError) as e:
+        log.error("%s", e)
+        raise SystemExit(2) from e
+    service.peers = peers
+    if registry is not None:
+        registry.register(PeersCollector(peers))
+    return peers

@@ -1,0 +1,207 @@
+"""Prometheus metrics of the mesh's applications, read at scrape time: the
+policy rollout (qosd/mesh/rollout/host.py) and the global SLA view
+(qosd/mesh/slaview/host.py).  The membership's own are ``_metrics.py``'s.
+
+Exported (counters end in ``_total``; no per-peer labels)::
+
+    mmmesh_rollout_desired_info{version}           1: the desired mesh version (the highest
+                                                   this node has heard of), "<counter>@<origin>"
+    mmmesh_rollout_applied_info{version}           1: the mesh version this node runs
+    mmmesh_rollout_behind                          1 while this node does not run the desired
+                                                   version (realising it, or it NACKed)
+    mmmesh_rollout_members{state}                  the desired version's rollout table as this
+                                                   node sees it: pending, acked, nacked,
+                                                   superseded, gone (a partition of the members)
+    mmmesh_rollout_<stat>_total                    the core's counters (ROLLOUT_COUNTERS)
+    mmmesh_rollout_dropped_total{reason}           peer input refused: malformed, oversize,
+                                                   impersonation, sha_mismatch, stale
+    mmmesh_cluster_sla_nodes_{known,reporting,with_sketches}
+                                                   nodes in this node's global view: with data,
+                                                   with a fresh window, with a fresh sketch
+    mmmesh_cluster_sla_{attainment_ratio,p99_seconds,frames}{class,modality}
+                                                   the global view per class (every node's
+                                                   fresh windows; p99 of the merged sketches)
+    mmmesh_cluster_sla_publications_received_total{result}
+                                                   digests and bundles from peers: accepted,
+                                                   older, malformed, from_gone (a partition)
+    mmmesh_cluster_sla_digests_published_total     this node's digests gossiped
+    mmmesh_cluster_sla_left_out_total{what}        windows / sketches that did not fit
+    mmmesh_cluster_sla_nodes_forgotten_total{cause}  expired (all stale), evicted (max_origins)
+    mmmesh_cluster_sla_local_skipped_total         board rows this node could not publish
+
+The global view's class series are the same on every node once the view
+has converged: a dashboard takes one node's (or the max over nodes), never
+their sum.  Without peers there is nothing to export; the families are
+still described.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from ..metrics._spec import Family, Spec, new_families
+
+__all__ = ["CLUSTER_SLA_METRICS", "ROLLOUT_COUNTERS", "ROLLOUT_METRICS", "ROLLOUT_STATES",
+           "ClusterAppsCollector"]
+
+log = logging.getLogger("qosd.mesh.membership.peers")
+
+_CM = ("class", "modality")
+ROLLOUT_STATES = ("pending", "acked", "nacked", "superseded", "gone")
+ROLLOUT_COUNTERS = {  # RolloutStats field -> (metric, HELP)
+    "proposals": ("mmmesh_rollout_proposals_total", "Mesh versions this node proposed"),
+    "announcements": ("mmmesh_rollout_announcements_total",
+                      "Well-formed announcements of a desired version received"),
+    "reports": ("mmmesh_rollout_reports_total",
+                "Members' ACK/NACK reports received that were newer than the one held"),
+    "roll_calls": ("mmmesh_rollout_roll_calls_total",
+                   "Roll calls this node sent as the origin of the desired version"),
+    "superseded": ("mmmesh_rollout_superseded_total",
+                   "Times the desired version was replaced by a higher one"),
+    "realise_requests": ("mmmesh_rollout_realisations_total",
+                         "Mesh versions this node set out to realise (check and apply)"),
+    "acks_sent": ("mmmesh_rollout_acks_total", "ACKs this node reported"),
+    "nacks_sent": ("mmmesh_rollout_nacks_total", "NACKs this node reported"),
+    "fetches": ("mmmesh_rollout_fetches_total", "Policy texts asked of a peer"),
+    "fetch_failures": ("mmmesh_rollout_fetch_failures_total",
+                       "Policy text fetches that failed (another peer is asked)"),
+    "states_merged": ("mmmesh_rollout_states_merged_total",
+                      "Push-pull rollout sections merged"),
+}
+ROLLOUT_METRICS: Spec = {
+    "mmmesh_rollout_desired_info": (
+        "gauge", ("version",),
+        "The desired mesh policy version (the highest this node has heard of), as 1"),
+    "mmmesh_rollout_applied_info": (
+        "gauge", ("version",), "The mesh policy version this node runs, as 1"),
+    "mmmesh_rollout_behind": (
+        "gauge", (), "1 while this node does not run the desired mesh version, else 0"),
+    "mmmesh_rollout_members": (
+        "gauge", ("state",),
+        ("Members in the desired version's rollout table by state as this node sees it "
+         "(pending, acked, nacked, superseded, gone)")),
+    **{name: ("counter", (), text) for name, text in ROLLOUT_COUNTERS.values()},
+    "mmmesh_rollout_dropped_total": (
+        "counter", ("reason",),
+        ("Rollout input from peers thrown away, by reason (malformed, oversize, "
+         "impersonation, sha_mismatch, stale)")),
+}
+SLA_RESULTS = ("accepted", "older", "malformed", "from_gone")
+CLUSTER_SLA_METRICS: Spec = {
+    "mmmesh_cluster_sla_nodes_known": (
+        "gauge", (), "Nodes whose SLA windows this node's global view holds"),
+    "mmmesh_cluster_sla_nodes_reporting": (
+        "gauge", (), "Nodes with at least one fresh window in this node's global view"),
+    "mmmesh_cluster_sla_nodes_with_sketches": (
+        "gauge", (), "Nodes with at least one fresh sketch in this node's global view"),
+    "mmmesh_cluster_sla_attainment_ratio": (
+        "gauge", _CM,
+        "Share of frames within their deadline over every node's fresh windows (global view)"),
+    "mmmesh_cluster_sla_p99_seconds": (
+        "gauge", _CM,
+        "p99 end-to-end latency of the global view: every node's sketches merged, not averaged"),
+    "mmmesh_cluster_sla_frames": (
+        "gauge", _CM, "Frames in every node's fresh windows (global view)"),
+    "mmmesh_cluster_sla_publications_received_total": (
+        "counter", ("result",),
+        ("SLA publications (digests, push-pull bundles) from peers, by what became of them: "
+         "accepted, older, malformed, from_gone")),
+    "mmmesh_cluster_sla_digests_published_total": (
+        "counter", (), "SLA digests this node gossiped"),
+    "mmmesh_cluster_sla_left_out_total": (
+        "counter", ("what",),
+        "Windows (digest, bundle) and sketches (bundle) of this node that did not fit"),
+    "mmmesh_cluster_sla_nodes_forgotten_total": (
+        "counter", ("cause",),
+        "Nodes dropped from the view: expired (all their data stale), evicted (max_origins)"),
+    "mmmesh_cluster_sla_local_skipped_total": (
+        "counter", (), "Rows of this node's board that could not be published"),
+}
+
+
+class ClusterAppsCollector(Collector):
+    """Reads ``service.cluster_rollout_app`` and ``service.cluster_sla_app``
+    (qosd/daemon.py sets them after the peers start) at each scrape."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+
+    def describe(self) -> Iterable[Metric]:
+        return list(new_families({**ROLLOUT_METRICS, **CLUSTER_SLA_METRICS}).values())
+
+    def collect(self) -> Iterable[Metric]:
+        fams = new_families({**ROLLOUT_METRICS, **CLUSTER_SLA_METRICS})
+        for app, read in ((self.service.cluster_rollout_app, _rollout),
+                          (self.service.cluster_sla_app, _sla_view)):
+            if app is None:
+                continue
+            try:
+                read(app, fams)
+            except Exception:  # a scrape never fails for one application
+                log.exception("metrics: reading %s failed", type(app).__name__)
+        return list(fams.values())
+
+
+def _rollout(app: Any, fams: dict[str, Family]) -> None:
+    """The rollout core's state and counters (read on the peers' loop)."""
+    def take() -> tuple[Any, Any, dict[str, int], dict[str, Any]]:
+        core = app.rollout
+        table = core.table() if core.desired is not None else None  # no mesh version: no table
+        return (core.desired, core.applied,
+                {s: table.count(s) if table is not None else 0 for s in ROLLOUT_STATES},
+                core.stats.as_dict())
+
+    desired, applied, counts, stats = app.peers.on_loop(take)
+    if desired is not None:
+        fams["mmmesh_rollout_desired_info"].add_metric([str(desired.version)], 1)
+    if applied is not None:
+        fams["mmmesh_rollout_applied_info"].add_metric([str(applied)], 1)
+    behind = desired is not None and applied != desired.version
+    fams["mmmesh_rollout_behind"].add_metric([], 1 if behind else 0)
+    for state in ROLLOUT_STATES:
+        fams["mmmesh_rollout_members"].add_metric([state], counts[state])
+    for key, (name, _) in ROLLOUT_COUNTERS.items():
+        fams[name].add_metric([], float(stats.get(key, 0)))
+    for reason, n in sorted((stats.get("dropped") or {}).items()):
+        fams["mmmesh_rollout_dropped_total"].add_metric([reason], float(n))
+
+
+def _sla_view(app: Any, fams: dict[str, Family]) -> None:
+    """The global view's classes and the view's counters."""
+    view = app.snapshot(nodes=False)
+    for name, key in (("mmmesh_cluster_sla_nodes_known", "nodes_known"),
+                      ("mmmesh_cluster_sla_nodes_reporting", "nodes_reporting"),
+                      ("mmmesh_cluster_sla_nodes_with_sketches", "nodes_with_sketches")):
+        fams[name].add_metric([], float(view.get(key) or 0))
+    for row in view.get("classes") or []:
+        _add_class(fams, row)
+    c: Mapping[str, int] = view.get("counters") or {}
+    for result in SLA_RESULTS:
+        fams["mmmesh_cluster_sla_publications_received_total"].add_metric(
+            [result], float(c.get(result, 0)))
+    fams["mmmesh_cluster_sla_digests_published_total"].add_metric([], float(c.get("published", 0)))
+    for what in ("windows", "sketches"):
+        fams["mmmesh_cluster_sla_left_out_total"].add_metric(
+            [what], float(c.get(f"{what}_left_out", 0)))
+    for cause in ("expired", "evicted"):
+        fams["mmmesh_cluster_sla_nodes_forgotten_total"].add_metric(
+            [cause], float(c.get(cause, 0)))
+    fams["mmmesh_cluster_sla_local_skipped_total"].add_metric(
+        [], float(c.get("local_skipped", 0)))
+
+
+def _add_class(fams: dict[str, Family], row: Mapping[str, Any]) -> None:
+    labels = [str(row.get("sla_class")), str(row.get("modality"))]
+    if not row.get("nodes"):  # every node's window of it went stale: no series
+        return
+    fams["mmmesh_cluster_sla_frames"].add_metric(labels, float(row.get("frames") or 0))
+    attainment = row.get("attainment")
+    fams["mmmesh_cluster_sla_attainment_ratio"].add_metric(
+        labels, 1.0 if attainment is None else float(attainment))
+    if row.get("p99_ms") is not None:
+        fams["mmmesh_cluster_sla_p99_seconds"].add_metric(labels, float(row["p99_ms"]) / 1e3)

@@ -1,0 +1,48 @@
+"""The cluster store: one interface in qosd, two back ends.
+
+    gossip   the peers (qosd/mesh/membership) carry the rollout and the SLA view: nothing
+             to install, every node holds everything (docs/cluster.md)
+    etcd     etcd holds the mesh's policy versions, every node's report and SLA
+             windows under leased keys; every node watches it (_etcd.py)
+
+The service and the API only see :class:`ClusterStore`; the routes'
+JSON shapes are the same whichever back end answers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from qosd.mesh.rollout.core import MeshVersion
+
+__all__ = ["ClusterStore"]
+
+
+class ClusterStore(Protocol):
+    backend: str
+    """"gossip" or "etcd"."""
+
+    async def start(self) -> None:
+        """Starts on qosd's event loop (never waits for the store to answer)."""
+
+    async def stop(self) -> None:
+        """Leaves the mesh gracefully (members see this node left, not failed)."""
+
+    def rollout(self) -> Any:
+        """``propose(text, base_version, author)`` / ``table(version)``: the
+        provider of PUT /v1/cluster/policy and GET /v1/cluster/rollout."""
+
+    def sla(self, nodes: bool) -> dict[str, Any] | None:
+        """The global SLA view (GET /v1/cluster/sla)."""
+
+    def members(self) -> dict[str, Any] | None:
+        """The body of GET /v1/cluster/members; None: the route reads ``service.peers``."""
+
+    def mesh_desired(self) -> MeshVersion | None:
+        """The mesh version this node should run (node-local applies are refused)."""
+
+    def status(self) -> dict[str, Any]:
+        """``{"backend", "up", ...}``: the ``cluster`` part of GET /v1/status."""
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """For metrics: ``operations``, ``requests`` and ``failures`` by name."""
