@@ -24,3 +24,10 @@ creates is touched, and they are removed on exit, failure, Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+"""The checkout's examples/: the policies and the pipeline's sidecar configs
+the demo runs with.  The demo runs from a checkout of mmmesh (an editable
+install, as ``scripts/demo.sh`` makes): docs/architecture.md, "Decisions"."""

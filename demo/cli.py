@@ -12,24 +12,8 @@ import argparse
 import os
 import sys
 
-from mmmesh.policy import Rate
-
-
-def _rate(text: str) -> int:
-    try:
-        return int(Rate(text))
-    except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0.5 <= v <= 600:
-        raise argparse.ArgumentTypeError("duration must be between 0.5 and 600 seconds")
-    return v
+from demo.args import rate as _rate
+from demo.args import seconds as _seconds
 
 
 def register(parser: argparse.ArgumentParser) -> None:

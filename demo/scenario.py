@@ -22,6 +22,7 @@ from typing import Any
 from mmmesh.dataplane import Dataplane, DataplaneStatus, HtbClassStats, handle
 from mmmesh.policy import Policy, Rate, load_policy, parse_policy
 
+from . import EXAMPLES
 from .streams import TrafficSpec
 from .testbed import UPLINK, Testbed
 from .traffic import run_traffic
@@ -54,7 +55,7 @@ def find_policy(path: str | None) -> Path:
     here = Path(DEFAULT_POLICY)
     if here.is_file():
         return here
-    src = Path(__file__).resolve().parents[1] / DEFAULT_POLICY
+    src = EXAMPLES.parent / DEFAULT_POLICY
     return src if src.is_file() else here
 
 

@@ -173,7 +173,7 @@ CFG_STAGE_OVERRIDES = 0x2  # stage_ovr_map has entries: look senders up
 CFG_FLOW_OVERRIDES = 0x4  # flow_ovr_map has entries: look flows up
 CFG_OVERRIDES = CFG_STAGE_OVERRIDES | CFG_FLOW_OVERRIDES  # written by set_overrides, kept by up
 
-# Overrides (docs/architecture.md, "Per-flow and per-stage overrides"): a
+# Overrides (docs/dataplane.md, "Per-flow and per-stage overrides"): a
 # class may have up to MAX_BOOSTS extra HTB leaves, "boost leaves", beside its
 # own 1:<id>.  Boost level l (1..MAX_BOOSTS) of class c is HTB class
 # 1:<BOOST_MINOR_STEP * l + c> (0x41..0xff): never a policy id (1..63) nor the

@@ -32,7 +32,7 @@ POINTS: dict[str, str] = {
     "dataplane.up.htb_pruned": ("dataplane/_handle.py: classes of the old policy and unused "
                                 "boost leaves deleted"),
     "dataplane.up.attached": "dataplane/_handle.py: programs attached",
-    "service.apply.reconciled": "qosd/service.py: the kernel holds the new version",
+    "service.apply.reconciled": "qosd/applier.py: the kernel holds the new version",
     "store.activate.current": "qosd/store/local.py: current.json names the new version",
     "store.activate.renamed": "qosd/store/local.py: the version file is no longer pending",
 }

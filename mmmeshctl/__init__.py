@@ -20,8 +20,13 @@ The modules, one role each:
     _app.py      the typer app: global options, command groups, main()
     _policy.py   mmmeshctl policy apply|get|diff|validate|history|rollback
     _node.py     mmmeshctl status, mmmeshctl flows top
+    _sla.py      mmmeshctl sla explain
+    _cluster.py  mmmeshctl cluster members|certs
+    _cluster_policy.py  mmmeshctl policy apply --cluster, policy rollout
+    cluster_sla.py      mmmeshctl cluster sla (public: the demo prints the view with it)
+    certs.py     the certificates of ``cluster certs`` (public: the demo issues its own)
     _client.py   qosd's API over http.client; HTTP errors -> exit codes
-    _render.py   JSON and rich tables of qosd's answers
+    render.py    JSON and rich tables of qosd's answers (public: the demo prints with it)
     _fast.py     option values without pydantic (typer's click classes)
     _exit.py     the exit codes and fail()
 

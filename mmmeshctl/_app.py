@@ -10,12 +10,12 @@ import typer
 
 from . import _cluster  # noqa: F401  (adds cluster members / certs to cluster_app)
 from ._client import DEFAULT_SOCKET, Conn
-from ._cluster_sla import cluster_app
 from ._exit import PROG, say
 from ._fast import FastCommand, FastGroup
 from ._node import flows_app, status
 from ._policy import policy_app
 from ._sla import sla_app
+from .cluster_sla import cluster_app
 
 __all__ = ["app", "main"]
 

@@ -1,9 +1,9 @@
 """``mmmeshctl cluster members`` and ``mmmeshctl cluster certs``, on the
-``cluster`` group of mmmeshctl/_cluster_sla.py.
+``cluster`` group of mmmeshctl/cluster_sla.py.
 
 ``members`` asks qosd (``GET /v1/cluster/members``) how it sees the mesh.
 ``certs`` needs no qosd: it writes a CA and one certificate and key per node
-for test and lab set-ups (mmmeshctl/_certs.py; docs/operations.md, "Peers",
+for test and lab set-ups (mmmeshctl/certs.py; docs/operations.md, "Peers",
 tells how to issue real ones).
 """
 
@@ -15,12 +15,12 @@ from typing import Annotated, Any
 
 import typer
 
-from ._certs import issue_certs
 from ._client import conn_of
-from ._cluster_sla import cluster_app
 from ._exit import EXIT, fail
 from ._fast import FastCommand
-from ._render import ListOutput, ListOutputOpt, console, print_json
+from .certs import issue_certs
+from .cluster_sla import cluster_app
+from .render import ListOutput, ListOutputOpt, console, print_json
 
 __all__ = ["certs", "issue_certs", "members", "members_table"]
 

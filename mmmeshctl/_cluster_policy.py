@@ -21,7 +21,7 @@ import typer
 
 from ._client import Conn
 from ._exit import EXIT, fail
-from ._render import _table, _when, console, print_json
+from .render import _when, console, plain_table, print_json
 
 __all__ = ["POLL_S", "apply_cluster", "outcome", "rollout_table", "show_rollout"]
 
@@ -95,7 +95,7 @@ def rollout_table(table: dict[str, Any]) -> Any:
                 + f" of {table.get('live', 0)} live members (as {table.get('node')} sees it)")
     if table.get("superseded_by"):
         head.append(f"\nsuperseded by {table['superseded_by']}", style="bold red")
-    t = _table()
+    t = plain_table()
     for col in ("NODE", "VERSION", "STATE", "APPLIED", "REASON", "TIME"):
         t.add_column(col, overflow="fold" if col == "REASON" else "ellipsis")
     for row in table.get("rows") or []:

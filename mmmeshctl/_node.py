@@ -11,7 +11,7 @@ import typer
 
 from ._client import conn_of
 from ._fast import FastCommand, FastGroup
-from ._render import ListOutput, ListOutputOpt, console, flows_table, print_json, status_view
+from .render import ListOutput, ListOutputOpt, console, flows_table, print_json, status_view
 
 __all__ = ["flows_app", "status"]
 

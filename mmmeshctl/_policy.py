@@ -14,7 +14,7 @@ from ._client import Conn, RequestLost, conn_of
 from ._cluster_policy import apply_cluster, show_rollout
 from ._exit import EXIT, fail
 from ._fast import FastCommand, FastGroup
-from ._render import (
+from .render import (
     ListOutput,
     ListOutputOpt,
     Output,

@@ -7,7 +7,7 @@ import typer
 
 from ._client import conn_of
 from ._fast import FastCommand, FastGroup
-from ._render import ListOutput, ListOutputOpt, print_json
+from .render import ListOutput, ListOutputOpt, print_json
 
 __all__ = ["sla_app", "sla_explain"]
 

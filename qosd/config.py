@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
@@ -388,15 +389,23 @@ class QosdConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        path = os.environ.get("MMMESH_QOSD_CONFIG") or str(DEFAULT_CONFIG)
+        path = _CONFIG_FILE.get() or os.environ.get("MMMESH_QOSD_CONFIG") or str(DEFAULT_CONFIG)
         return (init_settings, env_settings,
                 YamlConfigSettingsSource(settings_cls, yaml_file=path))
 
 
+_CONFIG_FILE: ContextVar[str | None] = ContextVar("qosd_config_file", default=None)
+"""The file :func:`load_config` reads (for the settings source; the process
+environment is left as it was)."""
+
+
 def load_config(path: str | None = None, **overrides: Any) -> QosdConfig:
-    """Reads the config file (``path`` or the default) with env overrides."""
-    if path is not None:
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"config file {path} does not exist")
-        os.environ["MMMESH_QOSD_CONFIG"] = path
-    return QosdConfig(**overrides)
+    """Reads the config file (``path``, else ``MMMESH_QOSD_CONFIG``, else the
+    default) with env overrides."""
+    if path is not None and not os.path.exists(path):
+        raise FileNotFoundError(f"config file {path} does not exist")
+    token = _CONFIG_FILE.set(path)
+    try:
+        return QosdConfig(**overrides)
+    finally:
+        _CONFIG_FILE.reset(token)

@@ -25,13 +25,31 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from mmmesh.errors import MeshError
 from mmmesh.net import parse_hostport
 
 from .config import QosdConfig, load_config
 from .logs import RateLimitFilter, install_rate_limit
+
+if TYPE_CHECKING:  # built in the functions below (imported there: qosd --cleanup stays light)
+    from prometheus_client import CollectorRegistry
+
+    from qosd.applier import PolicyApplier
+    from qosd.controller.core import Law
+    from qosd.controller.host import ClusterSlaInput, SlaController
+    from qosd.controller.kernel import KernelWriter
+    from qosd.metrics import QosdMetrics
+    from qosd.service import QosdService
+    from qosd.sla.board import SlaBoard
+    from qosd.store.cluster import Cluster
+    from qosd.store.local import PolicyStore
+
+    from .identity import SenderResolver
+    from .reconciler import Reconciler
+    from .socklayer import SocketLayerHost
 
 log = logging.getLogger("qosd")
 
@@ -121,7 +139,7 @@ class Watchdog:
                 return
 
 
-def metrics_app(registry: Any) -> Any:
+def metrics_app(registry: CollectorRegistry) -> Any:
     """Prometheus's text exposition of ``registry`` as an ASGI app (any path,
     like prometheus_client's own server); collected in a worker thread, since
     reading the BPF maps must not hold up the event loop."""
@@ -139,27 +157,108 @@ def metrics_app(registry: Any) -> Any:
     return app
 
 
+# ------------------------------------------------------------------ the parts
+@dataclass(frozen=True)
+class Node:
+    """qosd's node-local parts, wired by :func:`build_node`; nothing started."""
+
+    store: PolicyStore  # the versions (qosd/store/local.py)
+    reconciler: Reconciler  # version -> kernel, drift repair
+    applier: PolicyApplier  # store + reconciler under one write lock: every apply
+    socket_layer: SocketLayerHost  # off unless socket_layer.enabled
+    board: SlaBoard  # the sidecars' windows
+    senders: SenderResolver  # who is reporting on sla.sock
+    law: Law  # the SLA controller's law (its period: sla_controller_period_s)
+    kernel: KernelWriter  # the controller's stage overrides and replica weights
+
+
+def open_store(cfg: QosdConfig) -> PolicyStore:
+    """The node's policy store (``state_dir``, ``history_limit``)."""
+    from qosd.store.local import PolicyStore
+
+    return PolicyStore(cfg.state_dir, history_limit=cfg.history_limit)
+
+
+def build_node(cfg: QosdConfig, store: PolicyStore, metrics: QosdMetrics | None = None) -> Node:
+    """The parts of one node around ``store``; ``metrics`` (qosd's own) hears
+    every reconcile and how the dataplane was found at start."""
+    from qosd.applier import PolicyApplier
+    from qosd.controller.core import Law
+    from qosd.controller.kernel import KernelWriter
+    from qosd.sla.board import SlaBoard
+
+    from .identity import SenderResolver
+    from .reconciler import Reconciler
+    from .socklayer import SocketLayerHost
+
+    reconciler = Reconciler(
+        cfg, on_result=metrics.observe_reconcile if metrics is not None else None,
+        on_adoption=metrics.adoption if metrics is not None else None)
+    socket_layer = SocketLayerHost(cfg.socket_layer)
+    board = SlaBoard(cfg.sla_limits, cfg.sla_reporters)
+    law = Law(period_s=float(cfg.sla_controller_period_s))
+    kernel = KernelWriter(cfg.socket_layer.stages, law, overrides=reconciler, host=socket_layer,
+                          policy=store, board=board)
+    return Node(store=store, reconciler=reconciler,
+                applier=PolicyApplier(store, reconciler, initial_policy=cfg.initial_policy),
+                socket_layer=socket_layer, board=board, senders=SenderResolver(), law=law,
+                kernel=kernel)
+
+
+def build_controller(cfg: QosdConfig, node: Node,
+                     cluster: ClusterSlaInput | None = None) -> SlaController:
+    """The SLA controller of ``node``: judged from ``cluster``'s global view
+    in a mesh (the cluster store), else from the node's board."""
+    from qosd.controller.host import SlaController
+
+    return SlaController(node.law, policy=node.store, adapter=node.reconciler,
+                         kernel=node.kernel, board=node.board, cluster=cluster,
+                         state_dir=cfg.state_dir, enabled=cfg.sla_controller_enabled)
+
+
+def build_service(cfg: QosdConfig, node: Node, controller: SlaController,
+                  cluster: Cluster | None = None, *,
+                  started_at: float | None = None) -> QosdService:
+    """The admin API's facade over ``node``, its controller and ``cluster``
+    (None: this node runs alone)."""
+    from .service import QosdService
+
+    return QosdService(node_name=cfg.node_name, store=node.store, reconciler=node.reconciler,
+                       applier=node.applier, board=node.board, senders=node.senders,
+                       controller=controller, socket_layer=node.socket_layer,
+                       cluster=cluster.store if cluster is not None else None,
+                       peers=cluster.peers if cluster is not None else None,
+                       started_at=started_at)
+
+
 async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int:
-    """Runs qosd until SIGTERM/SIGINT (``log_filter``: flushed every interval)."""
+    """Runs qosd until SIGTERM/SIGINT (``log_filter``: flushed every interval).
+
+    The composition root: every part is built here (or by the functions
+    above) and handed the narrow interfaces it needs, in an order that needs
+    no part attached to another after it is built: the store, the metrics
+    registry over it, the node's parts, the start-up reconcile, the cluster
+    store (handed the applier, the store and the board), then the SLA
+    controller (handed the cluster store's global view) and the API's facade
+    (handed everything it answers from)."""
     from starlette.concurrency import run_in_threadpool
 
     from qosd.api import create_app, create_sla_app, serve_tcp, serve_uds
-    from qosd.httpd import serve
     from qosd.httpd.serve import (
         ADMIN_MAX_CONNECTIONS,
         METRICS_MAX_CONNECTIONS,
         SLA_MAX_CONNECTIONS,
         ApiServer,
+        serve,
     )
 
     from .metrics import SlaBoardCollector, SocketLayerCollector, Target, make_registry
-    from .service import QosdService
 
-    service_box: dict[str, Any] = {}
+    started_at = time.time()
+    store = open_store(cfg)
 
     def targets() -> list[Target]:
-        svc = service_box.get("svc")
-        cur = svc.store.current() if svc else None
+        cur = store.current()
         if cur is None:
             return []
         return [Target(iface=cur.policy.link.device, netns=cfg.netns,
@@ -167,33 +266,35 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
 
     registry, qmetrics = make_registry(targets, node=cfg.node_name,
                                        resync_interval_s=cfg.resync_interval_s)
-    svc = QosdService(cfg, metrics=qmetrics)
-    registry.register(SlaBoardCollector(svc.sla_board))
-    registry.register(SocketLayerCollector(svc.socket_layer, svc.sla_controller.kernel))
-    service_box["svc"] = svc
-    for problem in svc.store.problems:
+    node = build_node(cfg, store, qmetrics)
+    registry.register(SlaBoardCollector(node.board))
+    registry.register(SocketLayerCollector(node.socket_layer, node.kernel))
+    for problem in store.problems:
         log.error("policy store: %s", problem)
 
     t0 = time.monotonic()
     try:
-        res = await run_in_threadpool(svc.start)
+        res = await run_in_threadpool(node.applier.start)
     except MeshError as e:
         log.error("start-up reconcile failed: %s (serving the API anyway)", e)
         res = None
     if res is not None:
         log.info("dataplane %s for policy version %d in %.0f ms",
-                 "adopted" if svc.reconciler.adopted else "loaded", res.version,
+                 "adopted" if node.reconciler.adopted else "loaded", res.version,
                  (time.monotonic() - t0) * 1000)
 
     # load or adopt (a failure is retried at every resync); disabled: a layer
     # still pinned on the configured cgroup is taken down
-    await run_in_threadpool(svc.socket_layer.start)
+    await run_in_threadpool(node.socket_layer.start)
 
     from qosd.store.cluster import start_cluster_store  # gossip (peers:) or etcd (cluster.etcd)
-    store = await start_cluster_store(cfg, svc, registry)  # None: this node runs alone
-    if store is not None:  # mmmesh_rollout_*, mmmesh_cluster_sla_*: the apps the store started
+    cluster = await start_cluster_store(cfg, applier=node.applier, policy=store,
+                                        board=node.board, registry=registry)
+    if cluster is not None:  # mmmesh_rollout_*, mmmesh_cluster_sla_*: the apps the store started
         from qosd.metrics.cluster_apps import ClusterAppsCollector
-        registry.register(ClusterAppsCollector(svc))
+        registry.register(ClusterAppsCollector(cluster.rollout_app, cluster.sla_app))
+    controller = build_controller(cfg, node, cluster.store if cluster is not None else None)
+    svc = build_service(cfg, node, controller, cluster, started_at=started_at)
     servers: list[ApiServer] = []
     if cfg.metrics_addr:
         host, port = parse_hostport(cfg.metrics_addr, default_host="0.0.0.0",
@@ -227,7 +328,7 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, sig)
 
-    sd_notify(f"READY=1\nSTATUS=policy version {svc.store.version}\nMAINPID={os.getpid()}")
+    sd_notify(f"READY=1\nSTATUS=policy version {store.version}\nMAINPID={os.getpid()}")
 
     async def resync_loop() -> None:
         while not stop.is_set():
@@ -238,7 +339,9 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
             if stop.is_set():
                 return
             try:
-                await run_in_threadpool(svc.resync)
+                # the socket layer up again if it failed, was unpinned or detached
+                await run_in_threadpool(node.socket_layer.ensure)
+                await run_in_threadpool(node.applier.resync)
                 if qmetrics is not None:
                     qmetrics.resync_ran()  # the heartbeat, drift or not
             except Exception as e:  # noqa: BLE001 - keep the loop alive, report
@@ -248,13 +351,13 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
         """One SLA-controller window every law period (docs/controller.md)."""
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), timeout=svc.sla_controller.period_s)
+                await asyncio.wait_for(stop.wait(), timeout=controller.period_s)
             except TimeoutError:
                 pass
             if stop.is_set():
                 return
             try:
-                await run_in_threadpool(svc.sla_controller.step)
+                await run_in_threadpool(controller.step)
             except Exception:  # keep the loop alive, report
                 log.exception("SLA controller step failed")
 
@@ -272,8 +375,8 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
     await stop.wait()
     log.info("stopping (the dataplane stays; the next qosd adopts it)")
     sd_notify("STOPPING=1")
-    if store is not None:
-        await store.stop()  # a graceful leave: members mark this node left, not dead
+    if cluster is not None:
+        await cluster.store.stop()  # a graceful leave: members mark this node left, not dead
     await asyncio.gather(*(srv.stop_async() for srv in servers), *tasks,
                          return_exceptions=True)
     if watchdog is not None:
@@ -286,13 +389,11 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
 
 def cleanup(cfg: QosdConfig) -> int:
     """Removes programs, pins, classes from every device qosd may have used."""
-    from qosd.store.local import PolicyStore
-
     from .reconciler import Reconciler
 
     devices = set(cfg.uplinks)
     try:
-        store = PolicyStore(cfg.state_dir, history_limit=cfg.history_limit)
+        store = open_store(cfg)
         for pv in store.history():
             devices.add(pv.policy.link.device)
     except MeshError as e:

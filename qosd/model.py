@@ -1,9 +1,16 @@
 """The contract between qosd's parts (read this before writing any of them).
 
-``QosdService`` (qosd/service.py) is the one object the HTTP APIs
-(qosd/api/) and the metrics collector (qosd/metrics.py) talk to.  All its
-methods are thread-safe and synchronous; the APIs call them from a worker
-thread (``run_in_threadpool``).  Which endpoint calls which method:
+qosd/daemon.py builds the parts and hands each the narrow interfaces it
+needs; the ones several parts share are here: a :class:`PolicySource` (the
+version the node runs: the policy store) and a :class:`BoardView` (the
+sidecars' windows: the SLA board).  The others live next to the part that
+asks for them (qosd/mesh/rollout/realise.py ``MeshApplier``,
+qosd/controller/host.py and kernel.py, qosd/store/base.py ``ClusterStore``).
+
+``QosdService`` (qosd/service.py, the :class:`Service` below) is the one
+object the HTTP APIs (qosd/api/) talk to.  All its methods are thread-safe
+and synchronous; the APIs call them from a worker thread
+(``run_in_threadpool``).  Which endpoint calls which method:
 
     GET  /v1/policy                           policy()
     GET  /v1/policy/versions/{version}        history()
@@ -34,6 +41,12 @@ from mmmesh.policy import Policy
 from mmmesh.sla.report import SlaReport
 
 from .identity import ADMIN, Peer, Sender
+
+MAX_YAML_BYTES = 1 << 20
+"""A policy document, UTF-8 (the API refuses a longer one, naming the field)."""
+MAX_BODY_BYTES = 6 * MAX_YAML_BYTES + 64 * 1024
+"""A request body: one holding the largest policy, even fully \\u-escaped, stays
+below it.  The HTTP server (qosd/httpd) refuses a longer body before reading it."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,28 @@ class FlowRow:
     bytes: int
     idle_s: float  # since last packet
     rate_bps: float  # estimated from two samples, 0 on the first call
+
+
+class PolicySource(Protocol):
+    """The policy version the node runs (qosd.store.local.PolicyStore)."""
+
+    def current(self) -> PolicyVersion | None:
+        """The current version; None before the first policy."""
+        ...
+
+
+def p99_targets(source: PolicySource) -> dict[str, float] | None:
+    """Each class's p99 objective (ms) in ``source``'s current policy (None before one)."""
+    cur = source.current()
+    return cur.policy.p99_targets() if cur is not None else None
+
+
+class BoardView(Protocol):
+    """The sidecars' latest SLA windows (qosd.sla.board.SlaBoard)."""
+
+    def view(self, now: float | None = None) -> dict[str, Any]:
+        """{"instances", "stages", "classes", "skipped"}: the body of ``GET /v1/sla``."""
+        ...
 
 
 class Service(Protocol):

@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian 12 / Ubuntu 22.04+ machine, run as root.
-# Installs: Debian packages (bcc, iproute2, iperf3, venv, systemd: the unit test
-# runs systemd-analyze and systemd itself; prometheus: promtool and a real
-# scraper for the metrics and dashboard tests; etcd-server and etcd-client:
-# the etcd back end's tests and bench), kernel headers for the
-# running kernel or the documented fallback (docs/operations.md), bpffs, and the
-# virtualenv at .venv (sees Debian's bcc) with mmmesh installed in it.
+#
+#   scripts/bootstrap.sh demo    what the demo needs (scripts/demo.sh)
+#   scripts/bootstrap.sh test    all of that, and what the tests need (scripts/test.sh;
+#                                the default)
+#
+# demo: Debian's bcc (python3-bpfcc), libbpf, iproute2, venv; kernel headers for
+# the running kernel or the documented fallback (docs/operations.md); bpffs;
+# the virtualenv at .venv (sees Debian's bcc) with mmmesh[demo] in it.
+# test, in addition: iperf3 (bench/qos.py), systemd (the unit tests run
+# systemd-analyze and systemd itself), prometheus (promtool, a real scraper),
+# etcd-server and etcd-client (the etcd back end's tests and bench), vagrant,
+# vagrant-libvirt and shellcheck (tests/system/vagrant), mmmesh[test] in .venv,
+# MLServer in .venv-mlserver (scripts/mlserver-env.sh), and a wheelhouse for
+# the sidecar-only install test (.cache/wheelhouse: mmmesh[sidecar]'s wheels).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -13,12 +21,20 @@ log() { printf '[bootstrap] %s\n' "$*" >&2; }
 
 . "$ROOT/scripts/as-root.sh" "$0" "$@"
 
+PROFILE="${1:-test}"
+case "$PROFILE" in
+  demo|test) ;;
+  *) echo "bootstrap: unknown profile '$PROFILE' (demo or test)" >&2; exit 2 ;;
+esac
+
 export DEBIAN_FRONTEND=noninteractive
-PKGS=(python3-bpfcc python3-venv python3-dev iproute2 iperf3 libbpf1 ca-certificates systemd
-      prometheus etcd-server etcd-client)
-# vagrant/ (tests/system/vagrant/test_vagrant.py): `vagrant validate`, which with the libvirt
-# plugin also checks that provider's block, ruby for vagrant/pki.rb, shellcheck
-PKGS+=(vagrant vagrant-libvirt shellcheck)
+PKGS=(python3-bpfcc python3-venv python3-dev iproute2 libbpf1 ca-certificates)
+if [ "$PROFILE" = test ]; then
+  PKGS+=(iperf3 systemd prometheus etcd-server etcd-client)
+  # vagrant/ (tests/system/vagrant/test_vagrant.py): `vagrant validate`, which with the libvirt
+  # plugin also checks that provider's block, ruby for vagrant/pki.rb, shellcheck
+  PKGS+=(vagrant vagrant-libvirt shellcheck)
+fi
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -91,15 +107,29 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import bcc" >/dev/nul
   /usr/bin/python3 -m venv --system-site-packages "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
-STAMP="$VENV/.mmmesh-installed"
-WANT="$(cat pyproject.toml | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  log "installing mmmesh and its dependencies into $VENV"
-  "$VENV/bin/python" -m pip install -q -e ".[test,demo]"
-  echo "$WANT" > "$STAMP"
+# one stamp per profile; the test profile's install holds the demo's too
+WANT="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+installed() { [ -f "$VENV/.mmmesh-installed-$1" ] && [ "$(cat "$VENV/.mmmesh-installed-$1")" = "$WANT" ]; }
+if ! installed "$PROFILE" && ! installed test; then
+  log "installing mmmesh[$PROFILE] and its dependencies into $VENV"
+  "$VENV/bin/python" -m pip install -q -e ".[$PROFILE]"
+  rm -f "$VENV"/.mmmesh-installed*
+  echo "$WANT" > "$VENV/.mmmesh-installed-$PROFILE"
 fi
-# A real KServe v2 / Open Inference Protocol server for the sidecar's interop
-# tests (MLServer and KServe's model server pin their own web stack, so they
-# get a venv of their own).
-"$ROOT/scripts/mlserver-env.sh"
-log "ready"
+if [ "$PROFILE" = test ]; then
+  # A real KServe v2 / Open Inference Protocol server for the sidecar's interop
+  # tests (MLServer and KServe's model server pin their own web stack, so they
+  # get a venv of their own).
+  "$ROOT/scripts/mlserver-env.sh"
+  # The wheels of a sidecar-only install (tests/sidecar/test_install.py installs
+  # them into an empty venv with --no-index: the test itself needs no registry).
+  WHEELS="$ROOT/.cache/wheelhouse"
+  if [ ! -f "$WHEELS/.stamp" ] || [ "$(cat "$WHEELS/.stamp")" != "$WANT" ]; then
+    log "building the sidecar's wheelhouse in $WHEELS"
+    rm -rf "$WHEELS"
+    "$VENV/bin/python" -m pip wheel -q --wheel-dir "$WHEELS" ".[sidecar]" setuptools pip
+    rm -rf "$ROOT/build"  # the in-tree build of the mmmesh wheel
+    echo "$WANT" > "$WHEELS/.stamp"
+  fi
+fi
+log "ready ($PROFILE)"

@@ -8,5 +8,5 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$ROOT/scripts/as-root.sh" "$0" "$@"
 cd "$ROOT"
-scripts/bootstrap.sh
+scripts/bootstrap.sh demo
 exec .venv/bin/mmmesh-demo "$@"

@@ -7,5 +7,5 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$ROOT/scripts/as-root.sh" "$0" "$@"
 cd "$ROOT"
-./scripts/bootstrap.sh
+./scripts/bootstrap.sh test
 exec .venv/bin/python -m pytest -p no:cacheprovider -q -rfEs "$@"

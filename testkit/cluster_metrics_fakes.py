@@ -97,5 +97,4 @@ def sla_app(board: Any, node: str = "node-a", members: int = 3,
 def cluster_collectors(peers: FakePeers, rollout: Any = None, sla: Any = None
                        ) -> tuple[PeersCollector, ClusterAppsCollector]:
     """The two collectors qosd registers with a ``peers:`` section."""
-    service = SimpleNamespace(cluster_rollout_app=rollout, cluster_sla_app=sla)
-    return PeersCollector(peers), ClusterAppsCollector(service)
+    return PeersCollector(peers), ClusterAppsCollector(rollout, sla)

@@ -11,7 +11,7 @@ members by default, on loopback or inside a network namespace.
 Each member has its own data directory under ``root`` and its own ports
 (client and peer); peers talk over plain HTTP on the namespace's 127.0.0.1,
 clients over ``host`` (TLS with client certificates when ``certs`` is given:
-a CA and an ``etcd.pem``/``etcd.key`` issued by mmmeshctl._certs).  Timers
+a CA and an ``etcd.pem``/``etcd.key`` issued by mmmeshctl.certs).  Timers
 are short (heartbeat 50 ms, election 500 ms) so a killed leader is replaced
 within a second; a benchmark that loads the machine passes etcd's own defaults
 (``heartbeat_ms=100, election_ms=1000``) so its members do not hold elections

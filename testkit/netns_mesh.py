@@ -211,7 +211,7 @@ class Mesh:
 
     def _build(self) -> None:
         from demo import netlab
-        from mmmeshctl._certs import issue_certs
+        from mmmeshctl.certs import issue_certs
 
         issue_certs(self.certs, self.names + ([ETCD_NAME] if self.backend == "etcd" else []))
         netlab.create_netns(self.bridge_ns)

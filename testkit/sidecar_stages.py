@@ -74,7 +74,7 @@ async def slow_async(x: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------
-# Test plumbing shared by tests/test_sidecar_*.py
+# Test plumbing shared by tests/sidecar/test_sidecar_*.py
 # --------------------------------------------------------------------------
 import contextlib
 import socket

@@ -82,7 +82,7 @@ static __always_inline __u32 mm_clamp(const struct mm_pkt *p, const struct mm_co
 	return cid;
 }
 
-/* Overrides (docs/architecture.md, "Per-flow and per-stage overrides"): the
+/* Overrides (docs/dataplane.md, "Per-flow and per-stage overrides"): the
  * boost level of a parsed egress frame of class cid (after the clamp): a flow
  * override of this 5-tuple for that class, else the longest stage override
  * (class, sender prefix); 0: none.  Only looked up when user space has loaded

@@ -8,7 +8,8 @@ import os
 import sys
 from dataclasses import replace
 
-from demo.closed_loop.run import ClosedLoopConfig, run_closed_loop
+from demo.closed_loop.config import ClosedLoopConfig
+from demo.closed_loop.run import run_closed_loop
 from mmmesh.errors import MeshError
 
 

@@ -29,6 +29,7 @@ from mmmesh.errors import MeshError
 from mmmesh.policy import QUANTUM_UNIT
 
 Params = dict[str, dict[str, int]]  # class -> {rate, ceil, weight, priority}
+Change = dict[str, Any]  # {"t", "class", "knob", "old", "new"}, as the observer records them
 
 
 def kernel_params(uplink: dict[str, Any]) -> Params:
@@ -61,9 +62,17 @@ class Observation:
 
     def params_at(self, t: float) -> Params:
         """The kernel's parameters at unix time ``t``."""
-        from demo.closed_loop.report import params_at
-
         return params_at(self.initial, self.changes, t)
+
+
+def params_at(initial: Params, changes: list[Change], t: float) -> Params:
+    """The parameters at time ``t``: ``initial`` with every change up to it."""
+    p = {c: dict(v) for c, v in initial.items()}
+    for ch in sorted(changes, key=lambda c: c["t"]):
+        if ch["t"] > t:
+            break
+        p.setdefault(ch["class"], {})[ch["knob"]] = ch["new"]
+    return p
 
 
 class Observer:

@@ -28,8 +28,8 @@ import itertools
 import math
 from typing import Any
 
-from demo.closed_loop.observe import Params
-from demo.closed_loop.run import STAGES, WATCH, ClosedLoopConfig
+from demo.closed_loop.config import STAGES, WATCH, ClosedLoopConfig
+from demo.closed_loop.observe import Change, Params, params_at
 
 CLASSES = tuple(STAGES)
 KNOBS = ("rate", "ceil", "weight", "priority")
@@ -136,7 +136,6 @@ def _attainment(rows: list[dict[str, Any]], first: int, phase: str = "flood") ->
     return round(met / frames, 4) if frames else None
 
 
-Change = dict[str, Any]  # {"t", "class", "knob", "old", "new"}, as the observer records them
 
 
 def settle_windows(changes: list[Change], flood_from: float, flood_to: float,
@@ -174,16 +173,6 @@ def max_step(changes: list[Change], policy: Params) -> float:
              for c in changes
              if c["knob"] != "priority" and policy.get(c["class"], {}).get(c["knob"])]
     return round(max(steps, default=0.0), 4)
-
-
-def params_at(initial: Params, changes: list[Change], t: float) -> Params:
-    """The parameters at time ``t``: ``initial`` with every change up to it."""
-    p = {c: dict(v) for c, v in initial.items()}
-    for ch in sorted(changes, key=lambda c: c["t"]):
-        if ch["t"] > t:
-            break
-        p.setdefault(ch["class"], {})[ch["knob"]] = ch["new"]
-    return p
 
 
 def back_to_policy_windows(initial: Params, changes: list[Change], policy: Params,

@@ -44,52 +44,15 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from demo.closed_loop.config import POLICY, STAGES, WATCH, ClosedLoopConfig, Progress
 from mmmesh.errors import MeshError
 
 if TYPE_CHECKING:
     from demo.pipeline.run import Topology
-
-POLICY = Path(__file__).resolve().parents[2] / "examples" / "closed-loop-policy.yaml"
-WATCH = "voice"
-# the stage whose windows measure each class (on the edge node)
-STAGES = {"voice": "audio-frontend", "video": "vision-encoder", "lidar": "lidar-encoder"}
-
-Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class ClosedLoopConfig:
-    # the controller's period and the stages' SLA window; 4 s, not the law's 5: qosd closes
-    # a keep-alive connection idle for 5 s, and a sidecar posting every 5 s races that
-    # close and loses windows ("Server disconnected without sending a response")
-    window_s: float = 4.0
-    warm: int = 2  # windows of warm-up (no objective yet), before the timeline
-    quiet: int = 2  # windows of the pipeline alone before the flood
-    flood: int = 10  # windows of flood (steady load)
-    after: int = 10  # windows observed after the flood (controller on)
-    after_off: int = 1  # the same with the controller off (nothing moves there)
-    flood_factor: float = 0.5  # the flood's target rate, x the link rate
-    audio_per_tick: int = 5  # microphone chunks per 50 ms tick
-    push_pull_s: float = 0.5  # the mesh's push-pull interval (carries the SLA sketches)
-    policy_path: str | None = None  # None: examples/closed-loop-policy.yaml
-    runs: tuple[str, ...] = ("off", "on")
-    realtime_voice: bool = True  # the microphone and the audio front end under SCHED_FIFO
-    setup_s: float = 3.0  # processes start this long before the sensors
-
-    def timeline(self, on: bool) -> tuple[float, float, float, float]:
-        """(timeline start: the policy applied, flood start, flood stop, end)
-        in seconds from the sensors' start."""
-        w = self.window_s
-        after = self.after if on else self.after_off
-        a = self.warm * w
-        return a, a + self.quiet * w, a + (self.quiet + self.flood) * w, a + (
-            self.quiet + self.flood + after + 0.5) * w
-
 
 def load(cfg: ClosedLoopConfig) -> Any:
     """The policy on the demo's uplink at its own link rate, with voice's
@@ -152,11 +115,8 @@ def run_closed_loop(cfg: ClosedLoopConfig, progress: Progress = lambda _m: None,
     """Both runs on one topology; the raw observations and the figures
     (:func:`.closed_loop_report.figures`)."""
     from demo.closed_loop import report as closed_loop_report
-    from demo.pipeline.procs import examples_importable
-    from demo.pipeline.run import UPLINK, Topology, load_stage_configs
-
-    examples_importable()
     from demo.pipeline import onnx_models as make_onnx
+    from demo.pipeline.run import UPLINK, Topology, load_stage_configs
 
     t_start = time.monotonic()
     policy = load(cfg)

@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from demo.closed_loop.config import WATCH
 from demo.closed_loop.report import TARGETS
-from demo.closed_loop.run import WATCH
 
 
 def _f(x: Any, spec: str) -> str:

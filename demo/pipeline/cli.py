@@ -63,7 +63,8 @@ def _ms(x: float) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from demo.cli import _rate, _seconds
+    from demo.args import rate as _rate
+    from demo.args import seconds as _seconds
 
     p.add_argument("--rate", type=_rate, default=_rate("300mbit"),
                    help="the sensors' uplink rate, tc units (default 300mbit)")

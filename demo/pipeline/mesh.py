@@ -10,7 +10,7 @@ members of one mesh over gRPC with mutual TLS (docs/cluster.md)::
      topology's routes, with forwarding on the edge)
 
 * certificates for the three node ids come from ``mmmeshctl cluster certs``'s
-  code (:func:`mmmeshctl._certs.issue_certs`) in the run's temporary
+  code (:func:`mmmeshctl.certs.issue_certs`) in the run's temporary
   directory; each node's seeds are the other two;
 * each node's sidecars, and the sensors, report their SLA windows to their
   own node's qosd (``sla_socket``; the demo's children run as root, which
@@ -51,7 +51,6 @@ from mmmesh.errors import MeshError
 QOSD_PORT = 7946
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the NUL
 PROTOCOL: dict[str, float] = {"push_pull_interval_s": 2.0}
-REPO = Path(__file__).resolve().parents[2]
 
 
 class MeshDemoError(MeshError, RuntimeError):
@@ -126,7 +125,7 @@ class PipelineMesh:
     # -- start and stop ---------------------------------------------------------
     def write_configs(self) -> None:
         """Certificates for every node id and each node's qosd.yaml."""
-        from mmmeshctl._certs import issue_certs
+        from mmmeshctl.certs import issue_certs
 
         for n in self.nodes.values():
             if len(os.fsencode(n.sla_sock)) > MAX_UNIX_PATH:
@@ -153,8 +152,7 @@ class PipelineMesh:
     def start(self) -> None:
         """Configurations written and every qosd started (not waited for)."""
         self.write_configs()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+        env = dict(os.environ)
         for n in self.nodes.values():
             with open(n.dir / "qosd.log", "ab") as log:
                 n.proc = subprocess.Popen(
@@ -317,10 +315,10 @@ def render_view(view: dict[str, Any], width: int = 110) -> str:
 
     from rich.console import Console
 
-    from mmmeshctl._cluster_sla import cluster_sla_view
-    from mmmeshctl._render import _table
+    from mmmeshctl.cluster_sla import cluster_sla_view
+    from mmmeshctl.render import plain_table
 
-    t = _table("per stage and node")
+    t = plain_table("per stage and node")
     for col in ("STAGE", "CLASS", "MODALITY", "NODE", "FRAMES", "ATTAINMENT", "P99"):
         t.add_column(col, justify="right" if col in ("FRAMES", "ATTAINMENT", "P99") else "left")
     for r in view.get("stages") or []:

@@ -1,6 +1,7 @@
 """Builds the pipeline's ONNX models from the seeded weights in stages.py.
 
-    python demo/pipeline/onnx_models.py [--out DIR]   (default: this directory)
+    python -m demo.pipeline.onnx_models [--out DIR]   (default: examples/pipeline, where
+                                                     its sidecar configs look)
 
 writes ``lidar_encoder.onnx`` (PointNet: points [N, 4] -> embedding [64]) and
 ``decoder.onnx`` (fused [192] -> scores [16]), each atomically (a temporary
@@ -18,15 +19,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-if __package__ in (None, ""):  # run as a script: make `demo.pipeline` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from demo.pipeline import stages
 from mmmesh import files as _files
 
 OPSET = 17  # ReduceMax takes `axes` as an attribute up to opset 17
 IR_VERSION = 8  # readable by onnxruntime >= 1.10
-HERE = Path(__file__).resolve().parent
+EXAMPLES = Path("examples") / "pipeline"  # relative to the checkout (run from its root)
 
 
 def lidar_model() -> onnx.ModelProto:
@@ -99,7 +97,7 @@ def verify(lidar_path: Path, decoder_path: Path) -> None:
     np.testing.assert_allclose(got, stages.decoder(z), rtol=1e-4, atol=1e-6)
 
 
-def build(out_dir: str | Path = HERE) -> dict[str, Path]:
+def build(out_dir: str | Path = EXAMPLES) -> dict[str, Path]:
     """Writes both models into ``out_dir``; returns their paths."""
     out = Path(out_dir)
     paths = {
@@ -110,7 +108,7 @@ def build(out_dir: str | Path = HERE) -> dict[str, Path]:
     return paths
 
 
-def ensure(out_dir: str | Path = HERE) -> dict[str, Path]:
+def ensure(out_dir: str | Path = EXAMPLES) -> dict[str, Path]:
     """The models in ``out_dir``, built if missing."""
     out = Path(out_dir)
     paths = {"lidar_encoder": out / "lidar_encoder.onnx", "decoder": out / "decoder.onnx"}
@@ -121,7 +119,7 @@ def ensure(out_dir: str | Path = HERE) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(HERE), help="output directory (default: %(default)s)")
+    p.add_argument("--out", default=str(EXAMPLES), help="output directory (default: %(default)s)")
     a = p.parse_args(argv)
     for name, path in build(a.out).items():
         print(f"{name}: {path} ({path.stat().st_size} bytes)")

@@ -17,17 +17,16 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from demo import EXAMPLES
 from demo.testbed import Ctl
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE_DIR = REPO / "examples" / "pipeline"
+EXAMPLE_DIR = EXAMPLES / "pipeline"
 STREAM_ID = 1  # the three sensor streams of one scene share it; fusion keys on it
 SENSORS_STAGE = "sensors"  # the stage name the sensors report their SLA windows as
 
@@ -38,12 +37,6 @@ MODALITIES: dict[str, tuple[str, int, float, str]] = {
     "lidar": ("lidar.yaml", 5, 150.0, "lidar"),
 }
 WIRE_NAMES = {"audio": "audio", "video": "video", "lidar": "point_cloud"}
-
-
-def examples_importable() -> None:
-    """Puts the source tree on sys.path so ``demo.pipeline`` imports."""
-    if (EXAMPLE_DIR / "stages.py").is_file() and str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
 
 
 def realtime(prio: int = 10) -> bool:
@@ -98,7 +91,6 @@ def sidecar_child(ctl: Ctl, cfg_data: dict[str, Any], stop_wall: float,
     SCHED_FIFO (:func:`realtime`)."""
     if rt:
         realtime()
-    examples_importable()
     from demo.pipeline.stages import make_runner
     from sidecar.config import SidecarConfig
     from sidecar.main import Sidecar
@@ -230,7 +222,6 @@ def sensors_child(ctl: Ctl, targets: dict[str, str], spec: SourceSpec, start_wal
     ``rt``: under SCHED_FIFO (:func:`realtime`), e.g. a microphone alone."""
     if rt:
         realtime()
-    examples_importable()
     from demo.pipeline import stages
     from mmmesh.wire import Header
     from sidecar.config import Limits, Output
@@ -324,5 +315,5 @@ def flood_sink_child(ctl: Ctl, port: int, stop_wall: float) -> dict[str, Any]:
 
 
 __all__ = ["MODALITIES", "SENSORS_STAGE", "STREAM_ID", "SourceSpec", "collector_child",
-           "examples_importable", "flood_sink_child", "realtime", "sensors_child",
+           "flood_sink_child", "realtime", "sensors_child",
            "sidecar_child"]

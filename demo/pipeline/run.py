@@ -11,7 +11,7 @@
 Every stage is an mmmesh sidecar (``sidecar.main.Sidecar``) in its own
 process inside its node's namespace, configured by the YAML files in
 ``examples/pipeline/config/``; the stages are ``demo/pipeline/stages.py``
-and the ONNX models ``make_onnx.py`` builds (into a temporary directory).
+and the ONNX models ``onnx_models.py`` builds (into a temporary directory).
 The processes are ``pipeline_procs.py``'s; the edge forwards between its two
 links, so every node reaches every other.
 
@@ -54,7 +54,6 @@ from demo.pipeline.procs import (
     STREAM_ID,
     SourceSpec,
     collector_child,
-    examples_importable,
     flood_sink_child,
     sensors_child,
     sidecar_child,
@@ -398,10 +397,8 @@ def run_pipeline(cfg: PipelineConfig, progress: Progress = lambda _m: None,
     """Builds the topology (and with ``cfg.mesh`` its qosd mesh), runs each
     phase in ``cfg.phases``; returns the results (with the mesh, ``mesh``:
     its nodes and the global SLA view at the end)."""
-    from mmmesh.policy import Rate
-
-    examples_importable()
     from demo.pipeline import onnx_models as make_onnx
+    from mmmesh.policy import Rate
 
     t_start = time.monotonic()
     phases = _phases(cfg)

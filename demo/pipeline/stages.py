@@ -9,7 +9,7 @@ can compare what came out of the mesh with a direct call of these functions.
     audio_frontend  PCM float32 (16 kHz) -> 64-d       Hann STFT (512/160), 64-band
                     mel filterbank, log, mean over time, standardised
     lidar_encoder   points float32 N x 4 -> 64-d       PointNet: shared MLP 4-32-64
-                    (ReLU) + max pool; also built as ONNX by make_onnx.py
+                    (ReLU) + max pool; also built as ONNX by onnx_models.py
     fusion          latest embedding per modality per (stream, sequence) ->
                     192-d [video | audio | lidar] once all three are there
     decoder         192-d -> 16 class scores           linear + softmax
@@ -197,7 +197,7 @@ def audio_frontend(pcm: np.ndarray) -> np.ndarray:
 def lidar_encoder(points: np.ndarray) -> np.ndarray:
     """A point cloud (float32, N x 4: x, y, z, intensity) -> float32 (64,).
 
-    The numpy twin of ``lidar_encoder.onnx`` (see make_onnx.py)."""
+    The numpy twin of ``lidar_encoder.onnx`` (see onnx_models.py)."""
     p = np.asarray(points, dtype=np.float32)
     if p.ndim != 2 or p.shape[1] != 4 or p.shape[0] == 0:
         raise ValueError(f"expected an N x 4 point cloud, got {p.shape}")

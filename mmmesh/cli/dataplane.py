@@ -48,7 +48,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--pcap", help="pcap file of Ethernet frames")
     p.add_argument("--direction", choices=("egress", "ingress"), default="egress")
     p.add_argument("--overrides", metavar="FILE",
-                   help="per-stage and per-flow overrides (YAML or JSON, docs/architecture.md); "
+                   help="per-stage and per-flow overrides (YAML or JSON, docs/dataplane.md); "
                         "--json then adds 'boosted'")
     p.add_argument("--json", action="store_true", help="one JSON object per packet")
     p.set_defaults(func=_classify)

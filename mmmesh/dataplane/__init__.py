@@ -12,7 +12,7 @@ The public face is small::
     dp.flows()                             # [Flow]: the TCP flow table, decoded
     dp.htb_classes()                       # {classid: HtbClassStats}
     dp.set_overrides(Overrides(stages=(StageOverride("voice", "10.1.0.7/32", Boost(weight=8)),)),
-                     effective, bounds=policy)  # boost leaves, override maps (architecture.md)
+                     effective, bounds=policy)  # boost leaves, override maps (docs/dataplane.md)
     dp.overrides(policy)                   # [OverrideEntry]: what the kernel holds, hits
     dp.down()                              # detach, unpin, restore the device
 
@@ -24,7 +24,7 @@ has a handle of its own::
     sl.set_weights(2, [3, 1]); sl.set_redirect(False); sl.flows(); sl.down()
 
 Results are typed values (``_types.py``, ``_socklayer.py``), errors are
-``DataplaneError``.  Overrides (``_overrides.py``: ``Boost``, ``StageOverride``,
+``DataplaneError``.  Overrides (``mmmesh.policy.overrides``: ``Boost``, ``StageOverride``,
 ``FlowOverride``, ``Overrides``, ``OverrideEntry``) send a stage's or a flow's
 frames into a boost leaf of their class.
 Heavy imports (bcc, pyroute2) happen only in the calls that need them; bcc
@@ -33,7 +33,9 @@ only ever in a short-lived child process (``_bcc.py``).  Private modules:
 via ctypes), ``_netlink`` (pyroute2: clsact, filters, HTB), ``_compile``
 (policy -> map entries + HTB spec), ``_bcc`` (compile and load), ``_sock``
 (the socket layer's cgroup, pins, attachment and maps), and ``classify``
-(test runs of the real program, for the CLI and the tests).
+(test runs of the real program, for the CLI and the tests).  They import one
+another (``from . import _bpf``, ``from ._maps import Maps``), never this
+face, which imports them.
 """
 
 from mmmesh.policy.overrides import Boost, FlowOverride, OverrideEntry, Overrides, StageOverride

@@ -5,7 +5,7 @@ is given, not in headers it includes, so the quoted ``#include "..."`` lines
 of an entry file are inlined here before the text goes to bcc (system
 ``<...>`` includes are left to clang).  Two objects (``LAYERS``): the TC
 classifier (``bpf/mm_tc.c``) and the socket layer (``bpf/mm_sock.c``,
-docs/socklayer.md).  See docs/architecture.md.
+docs/socklayer.md).  See docs/dataplane.md.
 """
 
 from __future__ import annotations

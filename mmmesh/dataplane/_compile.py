@@ -141,7 +141,7 @@ def compile_policy(policy: Policy, version: int = 0) -> CompiledPolicy:
 
 
 # --------------------------------------------------------------------------
-# Overrides -> boost leaves, map entries, HTB leaves (docs/architecture.md,
+# Overrides -> boost leaves, map entries, HTB leaves (docs/dataplane.md,
 # "Per-flow and per-stage overrides")
 # --------------------------------------------------------------------------
 MIN_RATE_BPS = 8000  # 1 kB/s: a leaf being emptied (far lower rates overflow tc's buffer)

@@ -1,7 +1,7 @@
 """What the dataplane face returns: typed, plain values (no fds, no ctypes).
 
 ``as_dict()`` gives the JSON shape that the admin API and ``mmmesh dataplane
-status --json`` print (documented in docs/architecture.md).
+status --json`` print (documented in docs/dataplane.md).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ TC_ACT_NAMES = {0: "pass", 2: "drop", 7: "redirect", -1: "unspec"}
 @dataclass(frozen=True)
 class Verdict:
     """What the program decided for one frame; the fields of ``classify --json``
-    (documented in docs/architecture.md, "How a packet travels")."""
+    (documented in docs/dataplane.md, "How a packet travels")."""
 
     verdict: str  # "pass" for TC_ACT_OK
     retval: int

@@ -35,15 +35,6 @@ def fill_flows(dp: Dataplane, n: int, class_ids: list[int], dst: str = "10.77.0.
             maps.flows.update(k, v)
 
 
-def clear_flows(dp: Dataplane) -> int:
-    """Empties the flow table of ``dp``; returns how many entries were removed."""
-    with Maps.open_pinned(dp.pin_dir) as maps:
-        keys = list(maps.flows.keys())
-        for k in keys:
-            maps.flows.delete(k)
-    return len(keys)
-
-
 def prog_test_run(prog_fd: int, frame: bytes, repeat: int = 1) -> TestRunResult:
     """Runs a SCHED_CLS program on one Ethernet frame (BPF_PROG_TEST_RUN):
     verdict, the context after the run (``ctx.priority``, ``ctx.cb``), the

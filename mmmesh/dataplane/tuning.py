@@ -18,7 +18,7 @@ __all__ = ["DEFAULT_HTB_BURST_US", "DEFAULT_LEAF_LIMIT", "htb_tuning"]
 
 DEFAULT_HTB_BURST_US = _compile.HTB_BURST_US
 """Microseconds of traffic the link class's buckets and the leaves' ceil
-buckets hold (docs/architecture.md, "HTB buckets of 1 ms"); 0: the kernel's."""
+buckets hold (docs/dataplane.md, "HTB buckets of 1 ms"); 0: the kernel's."""
 DEFAULT_LEAF_LIMIT = _compile.LEAF_LIMIT
 """Packets a leaf's queue (fq_codel, else pfifo) holds."""
 

@@ -26,17 +26,19 @@ This module is the public face; the code lives in one module per role:
 
 - ``_types``: the field types (:class:`Rate`, class names, interface names,
   modality names, prefixes) and their validators;
-- ``_schema``: the models, the cross-field rules, ValidationError ->
-  PolicyError, :func:`policy_json_schema`;
-- ``_adapt``: a class's SLA objective (:class:`Objective`, ``sla``) and the
-  ranges qosd may adapt it within (:class:`Adapt`, ``adapt``), with their
-  cross-field rules (in range, within the link, anti-escalation);
+- ``_schema``: the models, the cross-field rules (those of ``adapt`` too: in
+  range, within the link, anti-escalation; :func:`bounds`,
+  :func:`policy_values`), ValidationError -> PolicyError,
+  :func:`policy_json_schema`;
+- ``_adapt``: the models of a class's SLA objective (:class:`Objective`,
+  ``sla``) and of the ranges qosd may adapt it within (:class:`Adapt`,
+  ``adapt``), a leaf the schema builds on;
 - ``_yaml``: the strict YAML loader, :func:`parse_policy`, :func:`load_policy`;
 - ``reference``: the reference classifier.
 """
 
 from ..wire import MODALITY_ALIASES
-from ._adapt import KNOBS, Adapt, Objective, bounds, policy_values
+from ._adapt import KNOBS, Adapt, Objective
 from ._schema import (
     API_VERSION,
     MAX_WEIGHT,
@@ -47,7 +49,9 @@ from ._schema import (
     Policy,
     SourceRule,
     TrafficClass,
+    bounds,
     policy_json_schema,
+    policy_values,
 )
 from ._types import IfName, Rate, format_rate
 from ._yaml import load_policy, parse_policy

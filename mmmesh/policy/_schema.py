@@ -2,8 +2,9 @@
 
 Every model is frozen and refuses unknown fields.  Structural problems (types,
 ranges, unknown fields) are reported first, all together; once the structure is
-valid, :func:`_cross_errors` runs every cross-field rule and reports all its
-findings together too.  :func:`policy_error` turns a pydantic ValidationError
+valid, :func:`_cross_errors` runs every cross-field rule (those of ``adapt``
+too, :func:`adapt_errors`, with :func:`bounds` and :func:`policy_values`) and
+reports all its findings together too.  :func:`policy_error` turns a pydantic ValidationError
 into the one :class:`~mmmesh.errors.PolicyError`, with paths written like
 ``classes[2].rate``; no pydantic ValidationError leaves a :class:`Policy`
 constructor.
@@ -37,7 +38,7 @@ from mmmesh.abi import (
 )
 from mmmesh.errors import PolicyError, field_path
 
-from ._adapt import Adapt, Objective, adapt_errors
+from ._adapt import KNOBS, Adapt, Objective
 from ._types import (
     U32,
     U32_MAX,
@@ -427,6 +428,121 @@ def _cross_errors(p: Policy) -> list[tuple[str, str]]:
             else:
                 fallback[m] = i
     errors.extend(adapt_errors(p))
+    return errors
+
+
+# --------------------------------------------------------------------------
+# The cross-field rules of ``adapt`` (the models are _adapt.py's)
+# --------------------------------------------------------------------------
+# * every range holds the policy's own value (the controller starts there and
+#   decays back to it);
+# * rate and ceil ranges stay within the link, and the highest rate stays at or
+#   below the lowest ceil (HTB needs rate <= ceil at every step);
+# * anti-escalation: for every source rule capping senders at ``max_class`` M,
+#   every class C that ranks below M in the policy must still rank below M at
+#   every setting within the ranges: C's most privileged setting (lowest
+#   priority, highest rate) keeps a rank key ``(priority, -rate, id)`` greater
+#   than M's least privileged one (highest priority, lowest rate).  So a sender
+#   capped at M never gets, through adaptation, a class served before M.  The
+#   default class (traffic the mesh cannot read) may give but never gain: its
+#   ranges end at its policy values on the privileged side;
+# * the sum of guaranteed rates at any moment is the controller's rule, not a
+#   schema rule: it pays every rate increase from the unreserved link or from
+#   another class, so the sum never exceeds the link (docs/controller.md).
+def bounds(p: Policy, c: TrafficClass) -> dict[str, tuple[int, int]]:
+    """Per knob, the inclusive range the class may take: its ``adapt`` range, or
+    its policy value alone where it has none (ceil: the effective ceiling)."""
+    value = policy_values(p, c)
+    out: dict[str, tuple[int, int]] = {}
+    for knob in KNOBS:
+        rng = getattr(c.adapt, knob) if c.adapt is not None else None
+        out[knob] = (int(rng[0]), int(rng[1])) if rng is not None else (value[knob], value[knob])
+    return out
+
+
+def policy_values(p: Policy, c: TrafficClass) -> dict[str, int]:
+    """The class's own values of the adaptable knobs (ceil: the effective one)."""
+    return {"rate": int(c.rate), "ceil": int(p.ceil_of(c)), "weight": c.weight,
+            "priority": c.priority}  # fmt: skip
+
+
+def _show(knob: str, v: int) -> str:
+    return format_rate(v) if knob in ("rate", "ceil") else str(v)
+
+
+def adapt_errors(p: Policy) -> list[tuple[str, str]]:
+    """The cross-field rules of ``adapt`` (above); [] when they hold."""
+    errors: list[tuple[str, str]] = []
+    link = int(p.link.rate)
+    for i, c in enumerate(p.classes):
+        if c.adapt is None:
+            continue
+        at = f"classes[{i}].adapt"
+        own = policy_values(p, c)
+        rng = bounds(p, c)
+        for knob in KNOBS:
+            if getattr(c.adapt, knob) is None:
+                continue
+            lo, hi = rng[knob]
+            if not lo <= own[knob] <= hi:
+                errors.append((f"{at}.{knob}", (
+                    f"the range [{_show(knob, lo)}, {_show(knob, hi)}] does not hold the "
+                    f"class's own {knob} {_show(knob, own[knob])}")))
+            if knob in ("rate", "ceil") and hi > link:
+                errors.append((f"{at}.{knob}", (
+                    f"max {format_rate(hi)} ({hi} bit/s) exceeds the link rate "
+                    f"{format_rate(link)} ({link} bit/s)")))
+        if c.adapt.rate is not None and rng["rate"][1] > rng["ceil"][0] and rng["rate"][1] <= link:
+            errors.append((f"{at}.rate", (
+                f"max {format_rate(rng['rate'][1])} is above the lowest ceil "
+                f"{format_rate(rng['ceil'][0])}: HTB needs rate <= ceil at every setting")))
+        if c.name == p.default_class:
+            errors.extend(_default_gains(p, c, at))
+    errors.extend(_escalations(p))
+    return errors
+
+
+def _default_gains(p: Policy, c: TrafficClass, at: str) -> list[tuple[str, str]]:
+    """The default class carries traffic the mesh cannot read: it may give, not gain."""
+    own, rng = policy_values(p, c), bounds(p, c)
+    gains = [(k, rng[k][1]) for k in ("rate", "ceil", "weight") if rng[k][1] > own[k]]
+    if rng["priority"][0] < own["priority"]:
+        gains.append(("priority", rng["priority"][0]))
+    return [(f"{at}.{knob}", (
+        f"{c.name!r} is the default class (traffic the mesh cannot read): it may give, never "
+        f"gain; the range may not go past its own {knob} {_show(knob, own[knob])} "
+        f"to {_show(knob, v)}")) for knob, v in gains]
+
+
+def _escalations(p: Policy) -> list[tuple[str, str]]:
+    """Anti-escalation: no class below a rule's max_class may outrank it when adapted."""
+    errors: list[tuple[str, str]] = []
+    index = {c.name: i for i, c in enumerate(p.classes)}
+    ranks = {c.name: r for r, c in enumerate(p.ranked())}
+    seen: set[tuple[str, str]] = set()
+    for ri, rule in enumerate(p.source_rules):
+        if rule.max_class not in index:
+            continue  # reported by the schema's own rule
+        m = p.classes[index[rule.max_class]]
+        m_rng = bounds(p, m)
+        worst_m = (m_rng["priority"][1], -m_rng["rate"][0], m.id)
+        for c in p.classes:
+            if ranks[c.name] <= ranks[m.name] or (m.name, c.name) in seen:
+                continue
+            c_rng = bounds(p, c)
+            best_c = (c_rng["priority"][0], -c_rng["rate"][1], c.id)
+            if best_c > worst_m:
+                continue
+            seen.add((m.name, c.name))
+            knob = "priority" if best_c[0] < worst_m[0] else "rate"
+            own_c = policy_values(p, c)[knob]
+            blame_c = c_rng[knob][0] < own_c if knob == "priority" else c_rng[knob][1] > own_c
+            who = c if blame_c else m
+            errors.append((f"classes[{index[who.name]}].adapt.{knob}", (
+                f"anti-escalation: {c.name!r} ranks below {m.name!r}, the max_class of "
+                f"source_rules[{ri}] ({rule.prefix}), but could outrank it when adapted: "
+                f"{c.name} at priority {best_c[0]}, rate {format_rate(-best_c[1])} against "
+                f"{m.name} at priority {worst_m[0]}, rate {format_rate(-worst_m[1])}")))
     return errors
 
 

@@ -4,7 +4,7 @@ An override sends some frames of a class into a *boost leaf* of that class:
 an extra HTB leaf beside the class's own, with a higher weight (and/or a more
 urgent priority) inside the class's adapt bounds.  It never changes a frame's
 class: the source-rule clamp runs first, and an override of another class
-does nothing (docs/architecture.md, "Per-flow and per-stage overrides").
+does nothing (docs/dataplane.md, "Per-flow and per-stage overrides").
 
 * :class:`StageOverride`: every frame of a class sent from inside a prefix,
   the addresses of a stage's pods (one stage per pod address, as the socket

@@ -6,9 +6,13 @@ them).
 A report names a stage and carries, per (SLA class, modality), one window:
 frame counts, deadline misses, attainment, latency quantiles and optionally a
 mergeable DDSketch of the end-to-end latency (``mmmesh/sla/sketch.py``).
+The attainment is the sidecar's measure (``_attainment.py`` has the one
+definition: frames within their deadline over frames, a dropped frame never
+within); the counts beside it say what happened, they do not make it.
 Every number is bounded (``MAX_COUNT``, ``MAX_MS``, ``MAX_WINDOW_S``, and in
-a sketch its keys and counts, ``mmmesh.sla.sketch.parse_sketch``): a report
-outside the bounds is refused with 422 naming the field.  A sketch is
+a sketch its keys and counts, ``mmmesh.sla.sketch.parse_sketch``; all of
+them in ``_limits.py``): a report outside the bounds is refused with 422
+naming the field.  A sketch is
 re-encoded when the report is validated (``sketch_e2e`` of the model is the
 canonical form: unknown protobuf fields are gone), so what qosd keeps is
 bounded by the sketch's bins, never by what was sent.
@@ -16,9 +20,19 @@ bounded by the sketch's bins, never by what was sent.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ._limits import (
+    MAX_COUNT,
+    MAX_MS,
+    MAX_NAME,
+    MAX_REPORTS,
+    MAX_SKETCH_B64,
+    MAX_WINDOW_S,
+)
+from .sketch import parse_sketch
 
 __all__ = [
     "MAX_COUNT",
@@ -35,15 +49,6 @@ __all__ = [
     "SlaView",
     "SlaWindow",
 ]
-
-MAX_COUNT = 10**12  # frames in one window: far above any real rate, exact as a float
-MAX_MS = 86_400_000.0  # a latency of a day is not a measurement
-MAX_WINDOW_S = 86_400.0
-MAX_NAME = 64
-MAX_REPORTS = 256  # (class, modality) windows in one report
-# Room for every bin of +-MAX_ABS_KEY (mmmesh/sla/sketch.py) in either protobuf
-# layout (packed: ~44 KiB of base64; one map entry per bin: ~77 KiB).
-MAX_SKETCH_B64 = 128 * 1024
 
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
@@ -71,8 +76,9 @@ class SlaWindow(BaseModel):
     drops: Count
     errors: Count
     attainment: float = Field(ge=0, le=1, allow_inf_nan=False,
-                              description="frames within their deadline / frames with one "
-                                          "(1.0 when none had one)")
+                              description="frames within their deadline (delivered, not late; "
+                                          "a frame without a deadline is within it) / frames "
+                                          "(1.0 without frames)")
     e2e_ms: Quantiles | None = None
     queue_ms: Quantiles | None = None
     service_ms: Quantiles | None = None
@@ -99,8 +105,6 @@ class SlaClassReport(SlaWindow):
     @classmethod
     def _mergeable(cls, v: str | None) -> str | None:
         if v is not None:
-            from mmmesh.sla.sketch import parse_sketch
-
             return parse_sketch(v).encode()  # ValueError -> 422 naming the field
         return v
 
@@ -174,7 +178,3 @@ class SlaView(BaseModel):
     skipped: int = Field(default=0, description="kept windows left out of this view because "
                                                 "they could not be read (counted and logged; "
                                                 "never a failed read)")
-
-
-def empty_view() -> dict[str, Any]:
-    return {"instances": [], "stages": [], "classes": [], "skipped": 0}

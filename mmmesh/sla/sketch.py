@@ -1,5 +1,6 @@
 """Mergeable SLA latency sketches, shared by the sidecar (which measures) and
-qosd (which merges what the sidecars on its node report).
+qosd (which merges what the sidecars on its node report, and what the nodes
+of the mesh publish).
 
 DDSketch (``ddsketch``, DataDog's reference implementation; 1 % relative
 accuracy, values in milliseconds) because its sketches merge exactly: the
@@ -16,11 +17,28 @@ fields, an empty negative store, a non-canonical layout) is gone, so what is
 kept is bounded by the bins, never by what was sent.  ``Sketch.encode()`` is
 the canonical base64, the same bytes :func:`encode_sketch` writes for a
 local sketch.
+
+The rules, each written once here and used by the sidecar, qosd's board and
+the global SLA view alike:
+
+* **The merge** (:class:`SketchSum`): sketches add up bin by bin, into one
+  dense array over every key a sketch may use.
+* **The quantile rule** (:func:`quantile_keys`): ddsketch's own, on the keys:
+  the rank of quantile ``q`` of ``n`` values is ``q x (n - 1)``; the value
+  is that of the first bin whose running count exceeds the rank, 0 when the
+  rank falls among the values too small for a bin.  A key stands for the
+  value :func:`key_value` gives (ms, 4 places); :func:`summary` is a
+  report's p50/p90/p99/max by that rule, for a canonical sketch and for a
+  live ddsketch object alike.
+* **Attainment** (``_attainment.py``): frames within their deadline over
+  frames, merged frame-weighted (:func:`merge`).
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
+import itertools
 import math
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -30,7 +48,8 @@ from typing import Any
 from ddsketch import DDSketch
 from ddsketch.ddsketch import BaseDDSketch
 
-from mmmesh.sla.report import MAX_COUNT
+from ._attainment import attainment, within_deadline
+from ._limits import MAX_ABS_KEY, MAX_COUNT, RELATIVE_ACCURACY, check_count
 
 _proto: Any  # ddsketch.pb.proto (untyped), or None
 _pb: Any  # its generated protobuf module, or None
@@ -43,33 +62,40 @@ except Exception:  # noqa: BLE001 # pragma: no cover - depends on the environmen
 
 __all__ = [
     "MAX_ABS_KEY",
+    "NO_KEY",
     "QUANTILES",
     "RELATIVE_ACCURACY",
+    "ZERO_KEY",
     "Sketch",
+    "SketchSum",
     "check_sketch",
     "decode_sketch",
     "encode_sketch",
+    "key_value",
     "merge",
     "new_sketch",
     "parse_sketch",
+    "quantile_keys",
     "summary",
     "validate_sketch",
+    "value_key",
 ]
 
-RELATIVE_ACCURACY = 0.01
 QUANTILES: tuple[tuple[str, float], ...] = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
+"""The quantiles of a report's ``*_ms`` summaries (plus its max)."""
+NO_KEY = -32768
+"""No quantile: the sketch is empty (a key no bin has; the SLA view's i16 on the wire)."""
+ZERO_KEY = -32767
+"""The quantile falls among the values too small for a bin (below the lowest key): 0 ms."""
 
-# Keys of the values a sidecar can report (1e-6 ms .. one hour: about -690 ..
-# 755 at 1 % accuracy), with room to spare.  A store is dense between its
-# lowest and highest key, so an unchecked far-apart pair of keys in a
-# 40-byte message would allocate hundreds of MiB when decoded.
-MAX_ABS_KEY = 2048
 _GAMMA = (1 + RELATIVE_ACCURACY) / (1 - RELATIVE_ACCURACY)
-_SPAN = 2 * MAX_ABS_KEY + 1  # every key a sketch may use
 
 
 def new_sketch() -> DDSketch:
     return DDSketch(RELATIVE_ACCURACY)
+
+
+_MAPPING = new_sketch()._mapping  # the key <-> value mapping every sketch here uses
 
 
 # --------------------------------------------------------------------------
@@ -103,22 +129,24 @@ class Sketch:
         """The bytes its bins take (what a quota counts besides the encoded form)."""
         return len(self.bins)
 
+    def quantile_keys(self, qs: Sequence[float]) -> tuple[int, ...]:
+        """The keys of the quantiles ``qs`` (see :func:`quantile_keys`)."""
+        return quantile_keys(self.offset, self.counts(), self.zero, qs)
+
     def check(self) -> None:
         """Raises ``ValueError`` unless this is a sketch :func:`parse_sketch`
         could have made (keys within +-MAX_ABS_KEY, counts finite, >= 0, at
         most MAX_COUNT in all): what a reader checks before merging it."""
-        import numpy as np  # only where sketches are merged (import mmmesh stays light)
-
         if not isinstance(self.bins, bytes) or len(self.bins) % 8 or type(self.offset) is not int:
             raise ValueError("not a packed float64 bin array with an int offset")
         n = len(self.bins) // 8
         if n and not (-MAX_ABS_KEY <= self.offset and self.offset + n - 1 <= MAX_ABS_KEY):
             raise ValueError(f"bins {self.offset}..{self.offset + n - 1} outside "
                              f"+-{MAX_ABS_KEY}")
-        counts = np.frombuffer(self.bins, dtype=np.float64)
-        total = float(counts.sum()) + float(self.zero)
-        if not (np.isfinite(counts).all() and (counts >= 0).all() and self.zero >= 0
-                and total <= MAX_COUNT):
+        counts = self.counts()
+        ok = all(math.isfinite(c) and c >= 0 for c in counts)
+        if not (ok and math.isfinite(self.zero) and self.zero >= 0
+                and math.fsum(counts) + self.zero <= MAX_COUNT):
             raise ValueError(f"counts not finite, negative, or more than {MAX_COUNT} in all")
 
     def proto(self) -> Any:
@@ -128,7 +156,7 @@ class Sketch:
         if self.bins:
             pos = _pb.Store(contiguousBinCounts=self.counts().tolist(),
                             contiguousBinIndexOffset=self.offset)
-        return _pb.DDSketch(mapping=_proto.KeyMappingProto.to_proto(new_sketch()._mapping),
+        return _pb.DDSketch(mapping=_proto.KeyMappingProto.to_proto(_MAPPING),
                             positiveValues=pos, negativeValues=_pb.Store(),
                             zeroCount=self.zero)
 
@@ -138,7 +166,7 @@ class Sketch:
         return base64.b64encode(raw).decode("ascii")
 
     def to_ddsketch(self) -> BaseDDSketch:
-        """A ddsketch object with these counts (for quantiles)."""
+        """A ddsketch object with these counts."""
         sk: BaseDDSketch = _proto.DDSketchProto.from_proto(self.proto())
         return sk
 
@@ -158,7 +186,139 @@ def _need_pb() -> None:
 
 
 # --------------------------------------------------------------------------
-# Sketch (de)serialisation and summaries
+# The merge
+# --------------------------------------------------------------------------
+class SketchSum:
+    """Canonical sketches added up bin by bin: the one merge of sketches.
+
+    The sum of the sketches of several windows is the sketch of all their
+    values (DDSketch merges exactly), so its quantiles are those of the
+    union, never an average of quantiles.  The bins go into one float64
+    array over the keys the sketches added use (at most ``KEY_SPAN``).
+    Plain Python, no numpy: qosd merges with it, and numpy's BLAS would cost
+    qosd ~20 MB and a system call (``mbind``) its hardened unit refuses."""
+
+    __slots__ = ("_bins", "_lo", "zero")
+
+    def __init__(self) -> None:
+        self._bins = array("d")  # key k at k - self._lo
+        self._lo = 0
+        self.zero = 0.0
+
+    def add(self, sk: Sketch) -> None:
+        counts = sk.counts()
+        if counts:
+            if not self._bins:
+                self._lo = sk.offset
+            lo, hi = min(self._lo, sk.offset), max(self._lo + len(self._bins),
+                                                   sk.offset + len(counts))
+            if lo < self._lo:
+                self._bins = array("d", bytes(8 * (self._lo - lo))) + self._bins
+                self._lo = lo
+            if len(self._bins) < hi - lo:
+                self._bins.extend(array("d", bytes(8 * (hi - lo - len(self._bins)))))
+            bins, start = self._bins, sk.offset - self._lo
+            for i, c in enumerate(counts):
+                bins[start + i] += c
+        self.zero += sk.zero
+
+    @property
+    def count(self) -> float:
+        """The values in all the sketches added."""
+        return self.zero + math.fsum(self._bins)
+
+    def quantile_keys(self, qs: Sequence[float]) -> tuple[int, ...]:
+        """The keys of the quantiles ``qs`` of everything added (see :func:`quantile_keys`)."""
+        return quantile_keys(self._lo, self._bins, self.zero, qs)
+
+    def sketch(self) -> Sketch:
+        """The sum as a canonical sketch."""
+        return Sketch.of_counts(self._lo, self._bins, self.zero)
+
+
+# --------------------------------------------------------------------------
+# The quantile rule
+# --------------------------------------------------------------------------
+def quantile_keys(offset: int, counts: Sequence[float], zero: float,
+                  qs: Sequence[float]) -> tuple[int, ...]:
+    """The keys of the quantiles ``qs`` of a sketch, by ddsketch's rule: the
+    rank of ``q`` is ``q x (count - 1)``; its key is that of the first bin
+    whose running count exceeds the rank, ``ZERO_KEY`` when the rank falls
+    among the ``zero`` values, ``NO_KEY`` for an empty sketch.  ``counts``
+    are the bins from key ``offset`` on."""
+    cum = list(itertools.accumulate(counts))
+    total = zero + (cum[-1] if cum else 0.0)
+    if total <= 0:
+        return (NO_KEY,) * len(qs)
+    out: list[int] = []
+    for q in qs:
+        rank = q * (total - 1)
+        if rank < zero or not cum:
+            out.append(ZERO_KEY)
+            continue
+        i = bisect.bisect_right(cum, rank - zero)
+        out.append(offset + min(i, len(cum) - 1))
+    return tuple(out)
+
+
+def key_value(key: int, mapping: Any = None) -> float | None:
+    """The latency (ms, 4 places) the quantile key ``key`` stands for, as
+    ddsketch reports it: 0.0 for ``ZERO_KEY``, None for ``NO_KEY``.
+    ``mapping``: a ddsketch object's own (default: the one of every sketch
+    here, 1 % logarithmic)."""
+    if key == NO_KEY:
+        return None
+    if key == ZERO_KEY:
+        return 0.0
+    return round(float((mapping or _MAPPING).value(key)), 4)
+
+
+def value_key(ms: float | None) -> int:
+    """The key of a latency given as a number (a window without a sketch):
+    ``NO_KEY`` for none (or not a latency), ``ZERO_KEY`` below the lowest
+    bin, else within +-MAX_ABS_KEY."""
+    if ms is None or not math.isfinite(ms) or ms < 0:
+        return NO_KEY
+    if ms <= _MAPPING.min_possible:
+        return ZERO_KEY
+    return max(-MAX_ABS_KEY, min(MAX_ABS_KEY, int(_MAPPING.key(ms))))
+
+
+def summary(sk: Sketch | BaseDDSketch, max_ms: float | None = None) -> dict[str, float] | None:
+    """{"p50","p90","p99","max"} in ms (4 places), by the quantile rule; None
+    for an empty sketch.  ``max`` is ``max_ms`` when given, else the exact
+    maximum a live ddsketch object kept, else the value of quantile 1.  A
+    ddsketch object is read with its own mapping; negative values (not
+    latencies) raise ``ValueError``."""
+    qs = (*(q for _, q in QUANTILES), 1.0)
+    if isinstance(sk, Sketch):
+        mapping, keys = None, sk.quantile_keys(qs)
+    else:
+        mapping, keys = sk._mapping, _canonical(sk).quantile_keys(qs)
+    if keys[0] == NO_KEY:
+        return None
+    out = {name: key_value(k, mapping) or 0.0 for (name, _), k in zip(QUANTILES, keys)}
+    if max_ms is None:
+        mx = getattr(sk, "_max", -math.inf)
+        max_ms = float(mx) if math.isfinite(mx) else key_value(keys[-1], mapping) or 0.0
+    out["max"] = round(max_ms, 4)
+    return out
+
+
+def _canonical(sk: BaseDDSketch) -> Sketch:
+    """A ddsketch object's counts as a :class:`Sketch` (not checked: a local
+    sketch is trusted)."""
+    if sk._negative_store.count:
+        raise ValueError("negative values (latencies are >= 0)")
+    st = sk._store
+    if st.count == 0 or not st.bins:
+        return Sketch(zero=float(sk._zero_count))
+    lo, hi = st.min_key - st.offset, st.max_key - st.offset
+    return Sketch.of_counts(st.min_key, st.bins[lo:hi + 1], float(sk._zero_count))
+
+
+# --------------------------------------------------------------------------
+# Sketch (de)serialisation
 # --------------------------------------------------------------------------
 def encode_sketch(sketch: BaseDDSketch) -> str | None:
     """Base64 of the DDSketch protobuf (bins trimmed to the used range), or
@@ -212,7 +372,7 @@ def parse_sketch(data: str) -> Sketch:
     merged), negative values (times are >= 0), bins outside +-MAX_ABS_KEY,
     negative, non-finite or too large counts (all of them together at most
     MAX_COUNT).  Unknown fields are dropped.  It never allocates more than
-    the message's size plus ``2 * MAX_ABS_KEY + 1`` counts."""
+    the message's size plus ``KEY_SPAN`` counts."""
     _need_pb()
     try:
         raw = base64.b64decode(data, validate=True)
@@ -234,40 +394,22 @@ def parse_sketch(data: str) -> Sketch:
     pos = msg.positiveValues
     entries = [*pos.binCounts.items(),
                *enumerate(pos.contiguousBinCounts, start=pos.contiguousBinIndexOffset)]
-    zero = _count(msg.zeroCount, "zeroCount")
+    zero = check_count(msg.zeroCount, "zeroCount")
     if not entries:
         return Sketch(zero=zero)
     lo, hi = min(k for k, _ in entries), max(k for k, _ in entries)
     if lo < -MAX_ABS_KEY or hi > MAX_ABS_KEY:
         raise ValueError(f"bins {lo}..{hi} outside +-{MAX_ABS_KEY}")
-    dense = [0.0] * (hi - lo + 1)  # at most _SPAN counts, whatever was sent
+    dense = [0.0] * (hi - lo + 1)  # at most KEY_SPAN counts, whatever was sent
     for k, c in entries:
-        dense[k - lo] += _count(c, "bin count")
+        dense[k - lo] += check_count(c, "bin count")
     if zero + math.fsum(dense) > MAX_COUNT:
         raise ValueError(f"the sketch counts more than {MAX_COUNT} values")
     return Sketch.of_counts(lo, dense, zero)
 
 
-def _count(c: float, what: str) -> float:
-    if not (math.isfinite(c) and 0 <= c <= MAX_COUNT):
-        raise ValueError(f"{what} {c!r}: must be finite, >= 0 and at most {MAX_COUNT}")
-    return float(c)
-
-
-def summary(sk: BaseDDSketch, max_ms: float | None = None) -> dict[str, float] | None:
-    """{"p50","p90","p99","max"} in ms, None for an empty sketch."""
-    if sk.count == 0:
-        return None
-    out = {name: round(float(sk.get_quantile_value(q) or 0.0), 4) for name, q in QUANTILES}
-    if max_ms is None:
-        mx = getattr(sk, "_max", -math.inf)
-        max_ms = float(mx) if math.isfinite(mx) else float(sk.get_quantile_value(1.0) or 0.0)
-    out["max"] = round(max_ms, 4)
-    return out
-
-
 # --------------------------------------------------------------------------
-# Node-wide view
+# Windows merged: the node-wide view
 # --------------------------------------------------------------------------
 def _entries(reports: Iterable[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
     for r in reports:
@@ -289,12 +431,13 @@ def merge(reports: Iterable[Mapping[str, Any]],
                      "sketch_e2e": str}, ...],
          "total": {same without the by fields}}
 
-    Counts add up; attainment is frame-weighted; e2e quantiles come from the
-    merged sketches (the e2e max is the largest reported max).  An entry's
-    ``_sketch`` (a :class:`Sketch`, or None) is used instead of parsing its
-    ``sketch_e2e``.  Entries without a sketch add to the counts but not to
-    the quantiles.  queue/service quantiles cannot be merged from summaries
-    and are left out.
+    Counts add up; attainment is the frames within their deadline over the
+    frames (frame-weighted, ``_attainment.py``); e2e quantiles come from the
+    merged sketches (:class:`SketchSum`; the e2e max is the largest reported
+    max).  An entry's ``_sketch`` (a :class:`Sketch`, or None) is used
+    instead of parsing its ``sketch_e2e``.  Entries without a sketch add to
+    the counts but not to the quantiles.  queue/service quantiles cannot be
+    merged from summaries and are left out.
     """
     by = tuple(by)
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -314,51 +457,35 @@ def merge(reports: Iterable[Mapping[str, Any]],
 
 
 class _Acc:
-    """One group's sums; sketches are added bin by bin into one dense array."""
+    """One group's sums."""
 
     def __init__(self) -> None:
         self.sources = 0
         self.window_s = 0.0
         self.frames = self.misses = self.drops = self.errors = 0
-        self.met = 0.0
-        self.bins: Any = None  # numpy float64[_SPAN], key k at k + MAX_ABS_KEY
-        self.zero = 0.0
+        self.within = 0.0  # frames within their deadline
+        self.sketches = SketchSum()
         self.max_ms: float | None = None
 
     def add(self, e: Mapping[str, Any]) -> None:
-        frames = int(e.get("frames", 0))
+        frames, misses = int(e.get("frames", 0)), int(e.get("deadline_misses", 0))
         sk = e["_sketch"] if "_sketch" in e else (
             parse_sketch(e["sketch_e2e"]) if e.get("sketch_e2e") else None)
         e2e = e.get("e2e_ms") or {}
         self.sources += 1
         self.window_s = max(self.window_s, float(e.get("window_s") or 0.0))
         self.frames += frames
-        self.misses += int(e.get("deadline_misses", 0))
+        self.misses += misses
         self.drops += int(e.get("drops", 0))
         self.errors += int(e.get("errors", 0))
-        self.met += float(e.get("attainment", 1.0)) * frames
+        self.within += within_deadline(frames, e.get("attainment"), misses)
         if sk is not None:
-            self._add_sketch(sk)
+            self.sketches.add(sk)
         if e2e.get("max") is not None:
             self.max_ms = max(self.max_ms or 0.0, float(e2e["max"]))
 
-    def _add_sketch(self, sk: Sketch) -> None:
-        import numpy as np  # only where sketches are merged (import mmmesh stays light)
-
-        if self.bins is None:
-            self.bins = np.zeros(_SPAN)
-        start = sk.offset + MAX_ABS_KEY
-        counts = np.frombuffer(sk.bins, dtype=np.float64)
-        self.bins[start:start + len(counts)] += counts
-        self.zero += sk.zero
-
-    def sketch(self) -> Sketch:
-        if self.bins is None:
-            return Sketch(zero=self.zero)
-        return Sketch.of_counts(-MAX_ABS_KEY, self.bins.tolist(), self.zero)
-
     def result(self) -> dict[str, Any]:
-        sk = self.sketch()
+        sk = self.sketches.sketch()
         res: dict[str, Any] = {
             "sources": self.sources,
             "window_s": self.window_s,
@@ -366,8 +493,8 @@ class _Acc:
             "deadline_misses": self.misses,
             "drops": self.drops,
             "errors": self.errors,
-            "attainment": round(self.met / self.frames, 6) if self.frames else 1.0,
-            "e2e_ms": summary(sk.to_ddsketch(), self.max_ms) if _pb is not None else None,
+            "attainment": attainment(self.frames, self.within),
+            "e2e_ms": summary(sk, self.max_ms) if _pb is not None else None,
         }
         if _pb is not None:
             res["sketch_e2e"] = sk.encode()

@@ -59,8 +59,8 @@ from __future__ import annotations
 
 from qosd.httpd.serve import ApiServer, bind_tcp, bind_uds, serve, serve_tcp, serve_uds
 
+from ..model import MAX_BODY_BYTES, MAX_YAML_BYTES
 from .app import API_VERSION, create_app, create_sla_app
-from .models import MAX_BODY_BYTES, MAX_YAML_BYTES
 from .openapi import openapi_document, openapi_text, write_openapi
 
 __all__ = [

@@ -7,7 +7,7 @@
 
 The routes take their provider from the service at each request:
 ``service.cluster_rollout()`` returns a
-:class:`qosd.mesh.rollout.core.RolloutProvider` (``propose``, ``table``), or
+:class:`qosd.mesh.rollout.provider.RolloutProvider` (``propose``, ``table``), or
 None while this qosd has no peers (then 503 ``peers_not_enabled``).  A
 provider that has not exchanged state with any peer yet refuses to propose
 (503 ``not_synced``: retry in a few seconds).  docs/cluster.md ("Policy
@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from qosd.mesh.membership.core import ClusterError
 from qosd.mesh.rollout.core import NotSynced, RolloutConflict
 
+from ..model import Service
 from .errors import E413, E422, ErrorBody, Responses, error_response
 from .models import Author, PolicyYaml
 
@@ -78,7 +79,7 @@ class RolloutTableBody(BaseModel):
 
 
 class RolloutProviderLike(Protocol):
-    """What ``service.cluster_rollout()`` returns (qosd.mesh.rollout.core.RolloutProvider)."""
+    """What ``service.cluster_rollout()`` returns (qosd.mesh.rollout.provider.RolloutProvider)."""
 
     def propose(self, text: str, base_version: str | None = None,
                 author: str | None = None) -> dict[str, Any]: ...
@@ -99,8 +100,9 @@ class _Unavailable(Exception):
     pass
 
 
-def add_cluster_policy_routes(v1: APIRouter, service: Any) -> None:
-    """Adds ``PUT /cluster/policy`` and ``GET /cluster/rollout`` to ``v1``."""
+def add_cluster_policy_routes(v1: APIRouter, service: Service) -> None:
+    """Adds ``PUT /cluster/policy`` and ``GET /cluster/rollout`` to ``v1`` over
+    ``service`` (its optional ``cluster_rollout()``; without it: 503)."""
 
     def provider() -> RolloutProviderLike:
         get = getattr(service, "cluster_rollout", None)

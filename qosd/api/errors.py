@@ -37,7 +37,7 @@ from ..errors import (
     StoreCorruptError,
     UnrealizableError,
 )
-from .models import MAX_BODY_BYTES
+from ..model import MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)
 

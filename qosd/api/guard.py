@@ -20,7 +20,7 @@ from typing import Annotated, Any
 from fastapi import Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from .models import MAX_BODY_BYTES
+from ..model import MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from mmmesh.policy import Policy
 from mmmesh.sla.report import SlaView
 
-from ..model import FlowRow, PolicyVersion, ReconcileResult
+from ..model import MAX_YAML_BYTES, FlowRow, PolicyVersion, ReconcileResult
 
-MAX_YAML_BYTES = 1 << 20  # a policy document, UTF-8
-# A JSON body holding the largest policy: even fully \u-escaped it stays below this.
-MAX_BODY_BYTES = 6 * MAX_YAML_BYTES + 64 * 1024
 MAX_VERSION = 2**53 - 1  # exact in JSON numbers everywhere
 MAX_AUTHOR = 256
 

@@ -1,8 +1,8 @@
 """The SLA controller in qosd: ``qosd.controller.core.Controller`` fed once a
 window and its decisions written to the kernel (docs/controller.md).
 
-Input: the global SLA view when the node has peers (``service.cluster_sla``:
-every node's windows, merged), else the node's own board.  Both hold only
+Input: the global SLA view when the node is in a mesh (the cluster store's
+``sla``: every node's windows, merged), else the node's own board.  Both hold only
 windows that qosd tied to their sender (docs/operations.md, "SLA reports"),
 or that came from a peer over mutual TLS; and whatever they say, the
 controller moves a class only inside the bounds its policy allows.
@@ -38,40 +38,75 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from mmmesh.errors import MeshError
 from mmmesh.files import write_atomic
+from mmmesh.policy import Policy
 from qosd.controller.core import (
     Controller,
     Decision,
     Law,
+    SlaInput,
     effective_policy,
     from_board,
     from_cluster,
     render,
 )
 from qosd.controller.kernel import KernelWriter, render_kernel
+from qosd.model import BoardView, PolicySource, ReconcileResult
+
+__all__ = ["STATE_FILE", "Adapter", "ClusterSlaInput", "SlaController"]
 
 log = logging.getLogger("qosd.controller.host")
 
 STATE_FILE = "controller.json"
 
 
-class SlaController:
-    """One controller for the node's current policy version."""
+class Adapter(Protocol):
+    """Where a window's class parameters go (qosd.reconciler.Reconciler.adapt)."""
 
-    def __init__(self, service: Any) -> None:
-        self.service = service
-        self.path = Path(service.cfg.state_dir) / STATE_FILE
+    def adapt(self, version: int, effective: Policy | None) -> ReconcileResult | None:
+        """Writes ``effective`` for ``version`` when the kernel holds that version."""
+        ...
+
+
+class ClusterSlaInput(Protocol):
+    """The mesh's global SLA view (qosd.store.base.ClusterStore)."""
+
+    def sla(self, nodes: bool) -> dict[str, Any] | None:
+        """Every node's windows, merged (None: not available now)."""
+        ...
+
+    def suspect_share(self) -> float:
+        """The share of the live members that are suspected (0 .. 1)."""
+        ...
+
+
+class SlaController:
+    """One controller for the node's current version of ``policy``: judged
+    from ``cluster``'s global view (in a mesh) or ``board``'s windows, the
+    class parameters written through ``adapter``, the rest through
+    ``kernel``; its state kept in ``state_dir/controller.json``."""
+
+    def __init__(self, law: Law, *, policy: PolicySource, adapter: Adapter,
+                 kernel: KernelWriter, board: BoardView, cluster: ClusterSlaInput | None = None,
+                 state_dir: Path | str, enabled: bool = True) -> None:
+        """``law``: the one ``kernel`` was built with (its period: qosd.yaml
+        ``sla_controller_period_s``); ``enabled``: ``sla_controller_enabled``."""
+        self.policy = policy
+        self.adapter = adapter
+        self.board = board
+        self.cluster = cluster
+        self.path = Path(state_dir) / STATE_FILE
         self._lock = threading.Lock()
         self._ctrl: Controller | None = None
         self._version = 0
         self.last: Decision | None = None
         self.note = ""
-        self.law = Law(period_s=float(service.cfg.sla_controller_period_s))
-        self.enabled = bool(getattr(service.cfg, "sla_controller_enabled", True))
-        self.kernel = KernelWriter(service, self.law)
+        self.law = law
+        self.enabled = enabled
+        self.kernel = kernel
         self._released = False  # disabled: the kernel holds nothing the controller wrote
 
     @property
@@ -80,7 +115,7 @@ class SlaController:
 
     def _controller(self, now: float) -> Controller | None:
         """The controller of the current version (restored, new or kept)."""
-        cur = self.service.store.current()
+        cur = self.policy.current()
         if cur is None:
             return None
         if self._ctrl is not None and self._version == cur.version:
@@ -99,16 +134,11 @@ class SlaController:
         self._version = cur.version
         return self._ctrl
 
-    def _input(self, now: float) -> Any:
-        view = self.service.cluster_sla(nodes=True)
-        if view is not None:
-            members = self.service.peers.members() if self.service.peers else []
-            live = [m for m in members if str(getattr(m.state, "name", m.state)).lower()
-                    in ("alive", "suspect")]
-            suspect = sum(1 for m in live if str(getattr(m.state, "name", m.state)).lower()
-                          == "suspect")
-            return from_cluster(view, now, suspect / max(1, len(live)))
-        return from_board(self.service.sla_board.view(), now)
+    def _input(self, now: float) -> SlaInput:
+        view = self.cluster.sla(True) if self.cluster is not None else None
+        if view is not None and self.cluster is not None:
+            return from_cluster(view, now, self.cluster.suspect_share())
+        return from_board(self.board.view(), now)
 
     def step(self) -> Decision | None:
         """One window: judge, decide, write what changed, keep the state
@@ -116,7 +146,7 @@ class SlaController:
         if not self.enabled:
             # what an earlier, enabled run wrote (stage overrides and replica weights
             # outlive a restart: the kernel keeps them) is taken back once
-            cur = self.service.store.current()
+            cur = self.policy.current()
             if not self._released and cur is not None:
                 with self._lock:
                     self._released = self.kernel.release(cur.version)
@@ -128,10 +158,10 @@ class SlaController:
                 return None
             decision = ctrl.step(self._input(now))
             self.last = decision
-            if decision.changed:
-                cur = self.service.store.current()
+            cur = self.policy.current()
+            if decision.changed and cur is not None:
                 try:
-                    self.service.reconciler.adapt(
+                    self.adapter.adapt(
                         self._version, effective_policy(cur.policy, decision.classes))
                     log.info("SLA controller: window %d: %s", decision.window,
                              ", ".join(decision.changed))
@@ -161,7 +191,7 @@ class SlaController:
 
     def _explain_disabled(self) -> dict[str, Any] | None:
         """The policy's values as a controller that never steps shows them."""
-        cur = self.service.store.current()
+        cur = self.policy.current()
         if cur is None:
             return None
         data = Controller(cur.policy, self.law).explain()

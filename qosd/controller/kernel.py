@@ -24,22 +24,55 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from mmmesh.abi import MAX_BOOSTS
 from mmmesh.dataplane import Boost, Overrides, StageOverride
+from qosd.config import SockStageConfig
 from qosd.controller.core import Decision, Law, ReplicaWeights, replica_measures, weight_list
+from qosd.model import BoardView, PolicySource
+
+__all__ = ["KernelWriter", "OverrideWriter", "ReplicaWeightsHost", "render_kernel",
+           "stage_overrides"]
 
 log = logging.getLogger("qosd.controller.host")
 
 
-class KernelWriter:
-    """Writes one decision's stage overrides and the replica weights."""
+class OverrideWriter(Protocol):
+    """Where stage overrides go (qosd.reconciler.Reconciler.set_overrides)."""
 
-    def __init__(self, service: Any, law: Law) -> None:
-        self.service = service
-        self.host = service.socket_layer  # qosd.socklayer.SocketLayerHost
-        stages = service.cfg.socket_layer.stages
+    def set_overrides(self, version: int, overrides: Overrides) -> bool | None:
+        """Writes ``overrides`` for ``version`` when the kernel holds others
+        (True), leaves them (False); None when ``version`` is not the kernel's."""
+        ...
+
+
+class ReplicaWeightsHost(Protocol):
+    """Where replica weights go (qosd.socklayer.SocketLayerHost)."""
+
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def result(self) -> object | None:
+        """The layer's last successful start (None: not up)."""
+        ...
+    def weights(self) -> dict[int, tuple[int, ...]]: ...
+    def set_weights(self, stage: int, weights: list[int]) -> bool: ...
+
+
+class KernelWriter:
+    """Writes one decision's stage overrides (through ``overrides``) and the
+    replica weights of ``stages`` (qosd.yaml ``socket_layer.stages``, through
+    ``host``), judged from ``board``'s windows against ``policy``'s objectives."""
+
+    def __init__(self, stages: Sequence[SockStageConfig], law: Law, *,
+                 overrides: OverrideWriter, host: ReplicaWeightsHost, policy: PolicySource,
+                 board: BoardView) -> None:
+        self.overrides = overrides
+        self.host = host
+        self.policy = policy
+        self.board = board
         self.senders = {st.name: st.sender_prefixes() for st in stages}
         self.weighted = {st.name: (st.id, sorted({e.replica for e in st.endpoints}))
                          for st in stages if len({e.replica for e in st.endpoints}) >= 2}
@@ -63,7 +96,7 @@ class KernelWriter:
         ok = True
         self.desired = Overrides()
         try:
-            done = self.service.reconciler.set_overrides(version, self.desired)
+            done = self.overrides.set_overrides(version, self.desired)
             if done is None:  # not reconciled yet: again next window
                 ok = False
             elif done:
@@ -82,7 +115,7 @@ class KernelWriter:
     def _overrides(self, version: int, decision: Decision) -> None:
         self.desired = stage_overrides(decision.stage_weights, self.senders)
         try:
-            wrote = self.service.reconciler.set_overrides(version, self.desired)
+            wrote = self.overrides.set_overrides(version, self.desired)
         except Exception as e:  # noqa: BLE001 - counted and logged; the loop goes on
             self._failed("overrides", e)
             return
@@ -93,11 +126,11 @@ class KernelWriter:
                      _overrides_text(self.desired) or "none")
 
     def _replica_weights(self, now: float) -> None:
-        cur = self.service.store.current()
+        cur = self.policy.current()
         if cur is None:
             return
         objectives = {c.name: c.sla for c in cur.policy.classes}
-        rows = self.service.sla_board.view(now)["instances"]
+        rows = self.board.view(now)["instances"]
         changed = self.replicas.step(now, replica_measures(rows, self.who, now), objectives)
         if changed:
             log.info("SLA controller: replica weights %s: %s", ", ".join(changed),

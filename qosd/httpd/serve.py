@@ -34,7 +34,7 @@ from collections import Counter
 from typing import Any
 
 from mmmesh.net import listen_tcp, listen_unix, parse_hostport
-from qosd.api.models import MAX_BODY_BYTES
+from qosd.model import MAX_BODY_BYTES
 
 from ..logs import DEFAULT_INTERVAL_S, RateLimitedLog
 from .http11 import Asgi, Connection, Limits, Peer, read_peer

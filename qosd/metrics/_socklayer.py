@@ -11,13 +11,16 @@ sends), replica weights by the configured stages (<= 64 x 8).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ._spec import Spec, new_families
+
+if TYPE_CHECKING:
+    from ..socklayer import SocketLayerHost
 
 log = logging.getLogger("qosd.metrics")
 
@@ -47,11 +50,20 @@ SOCKLAYER_METRICS: Spec = {
 }
 
 
+class KernelWrites(Protocol):
+    """The SLA controller's kernel writes (qosd.controller.kernel.KernelWriter)."""
+
+    @property
+    def counts(self) -> Mapping[tuple[str, str], int]:
+        """(target, ok|error) -> writes."""
+        ...
+
+
 class SocketLayerCollector(Collector):
     """Reads ``host`` (a SocketLayerHost) and ``kernel`` (the controller's
     KernelWriter) when Prometheus scrapes."""
 
-    def __init__(self, host: Any, kernel: Any) -> None:
+    def __init__(self, host: SocketLayerHost, kernel: KernelWrites) -> None:
         self._host = host
         self._kernel = kernel
 

@@ -38,16 +38,42 @@ still described.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ..metrics._spec import Family, Spec, new_families
 
+if TYPE_CHECKING:
+    from qosd.mesh.rollout.core import Rollout
+
 __all__ = ["CLUSTER_SLA_METRICS", "ROLLOUT_COUNTERS", "ROLLOUT_METRICS", "ROLLOUT_STATES",
-           "ClusterAppsCollector"]
+           "ClusterAppsCollector", "RolloutApp", "SlaViewApp"]
+
+T = TypeVar("T")
+
+
+class OnLoop(Protocol):
+    """Runs a function where the cores run (``Peers.on_loop``)."""
+
+    def on_loop(self, fn: Callable[[], T]) -> T: ...
+
+
+class RolloutApp(Protocol):
+    """The rollout host as read here (qosd.mesh.rollout.host.ClusterRollout)."""
+
+    @property
+    def rollout(self) -> Rollout: ...
+    @property
+    def peers(self) -> OnLoop: ...
+
+
+class SlaViewApp(Protocol):
+    """The global SLA view's host as read here (qosd.mesh.slaview.host.ClusterSla)."""
+
+    def snapshot(self, nodes: bool = True) -> dict[str, Any]: ...
 
 log = logging.getLogger("qosd.mesh.membership.peers")
 
@@ -125,29 +151,36 @@ CLUSTER_SLA_METRICS: Spec = {
 
 
 class ClusterAppsCollector(Collector):
-    """Reads ``service.cluster_rollout_app`` and ``service.cluster_sla_app``
-    (qosd/daemon.py sets them after the peers start) at each scrape."""
+    """Reads the rollout host and the global SLA view's host (the gossip back
+    end's, qosd/store/cluster.py; None with etcd) at each scrape."""
 
-    def __init__(self, service: Any) -> None:
-        self.service = service
+    def __init__(self, rollout: RolloutApp | None, sla: SlaViewApp | None) -> None:
+        self.rollout = rollout
+        self.sla = sla
 
     def describe(self) -> Iterable[Metric]:
         return list(new_families({**ROLLOUT_METRICS, **CLUSTER_SLA_METRICS}).values())
 
     def collect(self) -> Iterable[Metric]:
         fams = new_families({**ROLLOUT_METRICS, **CLUSTER_SLA_METRICS})
-        for app, read in ((self.service.cluster_rollout_app, _rollout),
-                          (self.service.cluster_sla_app, _sla_view)):
-            if app is None:
-                continue
-            try:
-                read(app, fams)
-            except Exception:  # a scrape never fails for one application
-                log.exception("metrics: reading %s failed", type(app).__name__)
+        if self.rollout is not None:
+            _read(self.rollout, _rollout, fams)
+        if self.sla is not None:
+            _read(self.sla, _sla_view, fams)
         return list(fams.values())
 
 
-def _rollout(app: Any, fams: dict[str, Family]) -> None:
+A = TypeVar("A")
+
+
+def _read(app: A, read: Callable[[A, dict[str, Family]], None], fams: dict[str, Family]) -> None:
+    try:
+        read(app, fams)
+    except Exception:  # a scrape never fails for one application
+        log.exception("metrics: reading %s failed", type(app).__name__)
+
+
+def _rollout(app: RolloutApp, fams: dict[str, Family]) -> None:
     """The rollout core's state and counters (read on the peers' loop)."""
     def take() -> tuple[Any, Any, dict[str, int], dict[str, Any]]:
         core = app.rollout
@@ -171,7 +204,7 @@ def _rollout(app: Any, fams: dict[str, Family]) -> None:
         fams["mmmesh_rollout_dropped_total"].add_metric([reason], float(n))
 
 
-def _sla_view(app: Any, fams: dict[str, Family]) -> None:
+def _sla_view(app: SlaViewApp, fams: dict[str, Family]) -> None:
     """The global view's classes and the view's counters."""
     view = app.snapshot(nodes=False)
     for name, key in (("mmmesh_cluster_sla_nodes_known", "nodes_known"),

@@ -23,7 +23,7 @@ Exported (counters end in ``_total``; no per-peer labels)::
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -50,10 +50,16 @@ CORE_COUNTERS = {
 }
 
 
+class PeersSnapshot(Protocol):
+    """What the collector reads (qosd.mesh.membership.peers.Peers)."""
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+
 class PeersCollector:
     """Reads ``peers.snapshot()`` (on the event loop) at each scrape."""
 
-    def __init__(self, peers: Any) -> None:
+    def __init__(self, peers: PeersSnapshot) -> None:
         self.peers = peers
 
     def describe(self) -> list[Metric]:

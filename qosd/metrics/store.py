@@ -11,15 +11,24 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ["StoreCollector"]
+__all__ = ["StoreCollector", "StoreStats"]
+
+
+class StoreStats(Protocol):
+    """What the collector reads of a cluster store (qosd.store.base.ClusterStore)."""
+
+    backend: str
+
+    def status(self) -> dict[str, Any]: ...
+    def counters(self) -> dict[str, dict[str, int]]: ...
 
 
 class StoreCollector:
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: StoreStats) -> None:
         self.store = store
 
     def describe(self) -> list[Any]:

@@ -18,11 +18,12 @@ is qosd/sla/reporters.py's rules (403 otherwise); how much each sender may keep
 and how often it may report is qosd/sla/quota.py's (429, or the sender's own
 oldest windows make room).
 
-Merging (:func:`mmmesh.sla.sketch.merge`): counts add up, attainment is
-frame-weighted, e2e quantiles come from the merged DDSketches (the real p99
-of all the frames, not an average of p99s).  The node-wide class view mixes
-the stages of a pipeline; it is the view meant for peers and dashboards, the
-per-stage view is the one to act on.
+Merging (:func:`mmmesh.sla.merge`, the rules the global SLA view applies to
+nodes too): counts add up, attainment is the frames within their deadline
+over the frames (frame-weighted), e2e quantiles come from the merged
+DDSketches (the real p99 of all the frames, not an average of p99s).  The
+node-wide class view mixes the stages of a pipeline; it is the view meant for
+peers and dashboards, the per-stage view is the one to act on.
 
 Windows not refreshed for a few of their own lengths are *stale*: still
 listed, no longer merged; after ``keep_s`` they are forgotten.  Every window
@@ -45,8 +46,7 @@ from typing import Any, cast
 from pydantic import ValidationError
 
 from mmmesh.errors import field_path
-from mmmesh.sla.report import SlaEntry, SlaReport, SlaWindow
-from mmmesh.sla.sketch import Sketch, merge, parse_sketch
+from mmmesh.sla import Sketch, SlaEntry, SlaReport, SlaWindow, merge, parse_sketch
 from qosd.identity import ADMIN, ReportRefused, Sender
 from qosd.sla.quota import Ledger, SlaLimits
 

@@ -3,10 +3,12 @@
     gossip   the peers (qosd/mesh/membership) carry the rollout and the SLA view: nothing
              to install, every node holds everything (docs/cluster.md)
     etcd     etcd holds the mesh's policy versions, every node's report and SLA
-             windows under leased keys; every node watches it (_etcd.py)
+             windows under leased keys; every node watches it (etcd/)
 
-The service and the API only see :class:`ClusterStore`; the routes'
-JSON shapes are the same whichever back end answers.
+The API's facade (qosd/service.py) and the SLA controller only see
+:class:`ClusterStore`; the routes' JSON shapes are the same whichever back
+end answers.  Both back ends realise a mesh version through
+qosd/mesh/rollout/realise.py.
 """
 
 from __future__ import annotations
@@ -36,10 +38,15 @@ class ClusterStore(Protocol):
         """The global SLA view (GET /v1/cluster/sla)."""
 
     def members(self) -> dict[str, Any] | None:
-        """The body of GET /v1/cluster/members; None: the route reads ``service.peers``."""
+        """The body of GET /v1/cluster/members; None: the route reads the
+        peers (the gossip back end's membership, which the facade is given)."""
 
     def mesh_desired(self) -> MeshVersion | None:
         """The mesh version this node should run (node-local applies are refused)."""
+
+    def suspect_share(self) -> float:
+        """The share of the live members (alive or suspect) that are suspected,
+        0 .. 1, for the SLA controller's input (etcd: 0, it suspects nobody)."""
 
     def status(self) -> dict[str, Any]:
         """``{"backend", "up", ...}``: the ``cluster`` part of GET /v1/status."""

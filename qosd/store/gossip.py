@@ -1,13 +1,20 @@
-"""The gossip back end: today's peers, rollout host and SLA view behind the
-:class:`~qosd.store.base.ClusterStore` interface (no change in
-behaviour: qosd/mesh/rollout/host.py and qosd/mesh/slaview/host.py do the work)."""
+"""The gossip back end: the peers, the rollout host and the SLA view behind
+the :class:`~qosd.store.base.ClusterStore` interface (no change in
+behaviour: qosd/mesh/rollout/host.py and qosd/mesh/slaview/host.py do the
+work; qosd/store/cluster.py builds them)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qosd.mesh.membership.core import State
 from qosd.mesh.rollout.core import MeshVersion
+
+if TYPE_CHECKING:
+    from qosd.mesh.membership.peers import Peers
+    from qosd.mesh.rollout.host import ClusterRollout
+    from qosd.mesh.rollout.provider import RolloutProvider
+    from qosd.mesh.slaview.host import ClusterSla
 
 __all__ = ["GossipStore"]
 
@@ -15,41 +22,40 @@ __all__ = ["GossipStore"]
 class GossipStore:
     backend = "gossip"
 
-    def __init__(self, peers: Any, service: Any) -> None:
+    def __init__(self, peers: Peers, rollout_app: ClusterRollout, sla_app: ClusterSla) -> None:
+        """``peers`` started; the two applications built on them, started by :meth:`start`."""
         self.peers = peers
-        self.service = service
-        self.rollout_app: Any = None
-        self.sla_app: Any = None
+        self.rollout_app = rollout_app
+        self.sla_app = sla_app
 
     async def start(self) -> None:
-        from qosd.mesh.rollout.host import ClusterRollout  # mesh-wide policy (section "rollout")
-        from qosd.mesh.slaview.host import ClusterSla  # the global SLA view (section "sla")
-
-        svc = self.service
-        self.sla_app = svc.cluster_sla_app = ClusterSla(self.peers, svc.sla_board,
-                                                        svc.p99_targets)
-        await self.sla_app.start()
-        self.rollout_app = svc.cluster_rollout_app = ClusterRollout(self.peers, svc)
-        await self.rollout_app.start()
+        await self.sla_app.start()  # the global SLA view (section "sla")
+        await self.rollout_app.start()  # mesh-wide policy (section "rollout")
 
     async def stop(self) -> None:
         for app in (self.rollout_app, self.sla_app):
-            if app is not None:
-                await app.stop()
+            await app.stop()
         await self.peers.stop()  # a graceful leave: members mark this node left, not dead
 
-    def rollout(self) -> Any:
-        return self.rollout_app.provider if self.rollout_app is not None else None
+    def rollout(self) -> RolloutProvider:
+        return self.rollout_app.provider
 
     def sla(self, nodes: bool) -> dict[str, Any] | None:
-        return self.sla_app.snapshot(nodes) if self.sla_app is not None else None
+        return self.sla_app.snapshot(nodes)
 
     def members(self) -> dict[str, Any] | None:
-        return None  # the route reads service.peers (qosd/api/cluster.py)
+        return None  # the route reads the peers (qosd/api/cluster.py)
 
     def mesh_desired(self) -> MeshVersion | None:
-        desired = self.rollout_app.rollout.desired if self.rollout_app is not None else None
+        desired = self.rollout_app.rollout.desired
         return desired.version if desired is not None else None
+
+    def suspect_share(self) -> float:
+        live = [m for m in self.peers.members()
+                if str(getattr(m.state, "name", m.state)).lower() in ("alive", "suspect")]
+        suspect = sum(1 for m in live if str(getattr(m.state, "name", m.state)).lower()
+                      == "suspect")
+        return suspect / max(1, len(live))
 
     def status(self) -> dict[str, Any]:
         members = self.peers.members()

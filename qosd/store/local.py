@@ -64,7 +64,6 @@ import logging
 import math
 import os
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -74,6 +73,7 @@ from typing import Any, TypeGuard
 
 from mmmesh.errors import PolicyError
 from mmmesh.failpoints import failpoint
+from mmmesh.files import write_atomic
 from mmmesh.policy import Policy, parse_policy
 from qosd.errors import ConflictError, NotFoundError, StoreCorruptError
 from qosd.model import PolicyVersion
@@ -113,19 +113,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically and durably (temp, fsync, replace, fsync dir)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
+    """``data`` to ``path`` atomically and durably (mmmesh.files: temp, fsync,
+    replace, fsync dir), private to this user (0600) in a directory that must exist."""
+    write_atomic(path, data, 0o600, parents=False)
 
 
 def _to_json(obj: dict[str, Any]) -> bytes:

@@ -12,9 +12,9 @@ together:
   POSTed to qosd as an ``mmmesh.sla.report.SlaReport`` (the schema qosd
   validates with).
 
-:func:`merge` (from :mod:`mmmesh.sla.sketch`, shared with qosd) combines the
-reports of several sidecars (the point of the mergeable sketches) into a
-node-wide summary.
+:func:`merge` (from :mod:`mmmesh.sla`, shared with qosd: one merge, one
+quantile rule, one attainment) combines the reports of several sidecars (the
+point of the mergeable sketches) into a node-wide summary.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from mmmesh.sla.sketch import QUANTILES, RELATIVE_ACCURACY, decode_sketch, encode_sketch, merge
+from mmmesh.sla import QUANTILES, RELATIVE_ACCURACY, decode_sketch, encode_sketch, merge
 
 from ..config import SidecarConfig
 from ..contract import SlaSample

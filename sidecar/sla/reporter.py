@@ -27,8 +27,15 @@ from typing import Any
 import httpx
 from ddsketch import DDSketch
 
-from mmmesh.sla.report import MAX_WINDOW_S, Quantiles, SlaClassReport, SlaReport
-from mmmesh.sla.sketch import encode_sketch, summary
+from mmmesh.sla import (
+    MAX_WINDOW_S,
+    Quantiles,
+    SlaClassReport,
+    SlaReport,
+    attainment,
+    encode_sketch,
+    summary,
+)
 
 from .windows import Key, Window
 
@@ -56,7 +63,7 @@ def class_report(key: Key, w: Window, window_s: float) -> SlaClassReport:
         deadline_misses=c.misses,
         drops=c.drops,
         errors=c.errors,
-        attainment=round(c.attainment, 6),
+        attainment=attainment(c.frames, c.met),
         e2e_ms=_quantiles(w.e2e),
         queue_ms=_quantiles(w.queue),
         service_ms=_quantiles(w.service),

@@ -14,11 +14,16 @@ Conventions:
 * A frame is within its deadline unless ``deadline_missed`` or ``dropped``
   (a frame without a deadline is never missed, so it counts as within it);
   attainment = frames within their deadline / frames, 1.0 when there were
-  none.
+  none (``mmmesh.sla.attainment``, the one definition qosd's board and the
+  global SLA view merge by: ``mmmesh/sla/_attainment.py`` says why).
 * Dropped frames feed only the queue time (they had no service and were not
   delivered); ``e2e_ns=None`` feeds no e2e observation.
 * Negative times (clock skew between nodes for e2e) count as 0; times above
-  one hour are clamped to one hour (that bounds the sketches' bins).
+  ``mmmesh.sla.MAX_SAMPLE_MS`` (one hour) are clamped to it (that bounds the
+  sketches' keys).
+* Sketches are ddsketch objects while they are live (they keep the exact
+  max); windows merge into the totals with ddsketch's own merge, bin by bin
+  like ``mmmesh.sla.SketchSum``.
 """
 
 from __future__ import annotations
@@ -29,13 +34,13 @@ import time
 
 from ddsketch import DDSketch
 
-from mmmesh.sla.sketch import new_sketch
+from mmmesh.sla import MAX_SAMPLE_MS, attainment, new_sketch
 
 from ..contract import SlaSample
 
 __all__ = ["BUCKETS_S", "MAX_MS", "Counts", "Hist", "Key", "SlaWindows", "Window"]
 
-MAX_MS = 3_600_000.0  # one hour: larger values are clamped (bounds the sketches' bins)
+MAX_MS = MAX_SAMPLE_MS  # one hour: larger values are clamped (bounds the sketches' keys)
 # 0.1 ms .. 10 s; denser where real-time classes set their deadlines (10-300 ms)
 BUCKETS_S: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
@@ -85,8 +90,8 @@ class Counts:
 
     @property
     def attainment(self) -> float:
-        """Frames within their deadline / frames (1.0 when there were none)."""
-        return 1.0 if self.frames <= 0 else self.met / self.frames
+        """Frames within their deadline / frames (1.0 when there were none), not rounded."""
+        return attainment(self.frames, self.met, digits=None)
 
 
 class Hist:

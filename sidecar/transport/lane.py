@@ -12,12 +12,15 @@ queue, and writes its frames in the order they were given to it:
 * it connects with TCP_NODELAY, notices a closed peer while idle, and
   reconnects with capped, jittered exponential backoff.
 
-A lane is *up* from its start until a connect fails or its connection
-breaks, and again once it reconnects.  Going down or up is reported to the
-owner (``FrameSender._lane_changed``), which moves the frames of a lane that
-is down to lanes that are up (``take_all``/``force_put``: frames are moved
-whole, a frame cut off mid-write starts over on its new lane) and leaves it
-out of the pick until it is back.  A broken connection is closed with an
+A lane knows of the sender it belongs to only what it is handed at
+construction, a :class:`LaneOwner`: the output's name and settings, the
+sender's totals and ``ready`` event, and three callbacks (``changed``,
+``drop``, ``rebalance``).  A lane is *up* from its start until a connect
+fails or its connection breaks, and again once it reconnects.  Going down or
+up is reported through ``changed``: the sender moves the frames of a lane
+that is down to lanes that are up (``take_all``/``force_put``: frames are
+moved whole, a frame cut off mid-write starts over on its new lane) and
+leaves it out of the pick until it is back.  A broken connection is closed with an
 abortive close (SO_LINGER 0): it reaches TCP_CLOSE at once, which is when
 the socket layer releases the lane and a lead claim (docs/socklayer.md).
 """
@@ -30,8 +33,9 @@ import logging
 import random
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mmmesh.errors import WireError
 from mmmesh.net import parse_hostport
@@ -40,10 +44,7 @@ from mmmesh.wire import Header, frame
 from ..contract import drop_late
 from .frames import Framed, FrameQueue, OutFrame
 
-if TYPE_CHECKING:
-    from .send import FrameSender
-
-__all__ = ["Lane", "LaneCounters"]
+__all__ = ["Lane", "LaneCounters", "LaneOwner", "SenderTotals"]
 
 log = logging.getLogger("mmmesh.sidecar.transport")
 
@@ -74,6 +75,40 @@ class LaneCounters:
     lead: bool = False  # spread: kernel: every frame is written here
 
 
+class SenderTotals(Protocol):
+    """The sender's counters a lane adds to (``send.SenderCounters`` is one)."""
+
+    frames_out: int
+    bytes_out: int
+    writes: int
+    reconnects: int
+    connect_failures: int
+    send_errors: int
+
+
+@dataclass(frozen=True, slots=True)
+class LaneOwner:
+    """What a lane is handed by the sender it belongs to (one for all its lanes)."""
+
+    name: str
+    """The output's name (logs, task names)."""
+    realtime: bool
+    """Real-time output: frames past their deadline are dropped, not sent."""
+    ready: asyncio.Event
+    """Lanes may write (``spread: kernel``: once every lane tried to connect)."""
+    totals: SenderTotals
+    """The sender's counters, summed over its lanes."""
+    changed: Callable[[Lane], None]
+    """A lane went up or down (or connected for the first time)."""
+    drop: Callable[[Header, str], None]
+    """A frame not sent, and why (``deadline``, ``error``)."""
+    rebalance: Callable[[], None]
+    """Frames of lanes that are down should move to lanes that are up."""
+    backoff_initial: float = 0.05
+    backoff_max: float = 5.0
+    connect_timeout: float = 5.0
+
+
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -98,7 +133,7 @@ async def wait_writable(owner: Any, sock: socket.socket) -> None:
 class Lane:
     """The connection to ``address`` (replica ``index`` of ``owner``'s Output)."""
 
-    def __init__(self, owner: FrameSender, index: int, address: str, queue: FrameQueue) -> None:
+    def __init__(self, owner: LaneOwner, index: int, address: str, queue: FrameQueue) -> None:
         self.owner = owner
         self.index = index
         self.address = address
@@ -160,7 +195,7 @@ class Lane:
             return False, f
         except Exception:  # noqa: BLE001  (WireError, OSError, ...: the writer reports it)
             return False, None
-        self.owner.counters.writes += 1
+        self.owner.totals.writes += 1
         f.consume(n)
         if f.views:
             return False, f
@@ -168,7 +203,7 @@ class Lane:
         return True, None
 
     def _sent(self, f: Framed) -> None:
-        c, oc = self.counters, self.owner.counters
+        c, oc = self.counters, self.owner.totals
         c.frames_out += 1
         c.bytes_out += f.total
         oc.frames_out += 1
@@ -217,7 +252,7 @@ class Lane:
     def _set_up(self, up: bool) -> None:
         if self.counters.up != up:
             self.counters.up = up
-            self.owner._lane_changed(self)
+            self.owner.changed(self)
 
     def _broken(self) -> None:
         """The connection is gone: wake the writer wherever it waits."""
@@ -263,7 +298,7 @@ class Lane:
                 if sock is not None:
                     sock.close()
                 self.counters.connect_failures += 1
-                self.owner.counters.connect_failures += 1
+                self.owner.totals.connect_failures += 1
                 self.attempted = True
                 self._set_up(False)
                 wait = random.uniform(delay / 2, delay)
@@ -274,7 +309,7 @@ class Lane:
                 continue
             if self._ever_connected:
                 self.counters.reconnects += 1
-                self.owner.counters.reconnects += 1
+                self.owner.totals.reconnects += 1
                 log.info("sender %s: reconnected to %s", self.owner.name, self.address)
             self._ever_connected = True
             self._connected_at = loop.time()
@@ -284,7 +319,7 @@ class Lane:
             self.attempted = True
             loop.add_reader(sock.fileno(), self._on_readable)
             self.counters.up = True
-            self.owner._lane_changed(self)  # (also a first connect: spread kernel waits for it)
+            self.owner.changed(self)  # (also a first connect: spread kernel waits for it)
             return sock
 
     async def _next(self) -> OutFrame | None:
@@ -326,7 +361,7 @@ class Lane:
                 batch.append(item.framed)
                 continue
             if drop_late(item.header, owner.realtime):
-                owner._drop(item.header, "deadline")
+                owner.drop(item.header, "deadline")
                 q.task_done()
                 continue
             if item.framed is not None:  # framed already (moved from another lane)
@@ -355,7 +390,7 @@ class Lane:
             except (BlockingIOError, InterruptedError):
                 await wait_writable(self, sock)
                 continue
-            self.owner.counters.writes += 1
+            self.owner.totals.writes += 1
             while n:
                 f = batch[0]
                 n = f.consume(n)
@@ -374,7 +409,7 @@ class Lane:
                     if self._ever_connected:
                         self._set_up(False)
                     if not self.idle:  # a frame that arrived as it broke: to a lane that is up
-                        self.owner._rebalance()
+                        self.owner.rebalance()
                     await self._short_lived_backoff()
                     sock = await self._connect()
                     self._after_reconnect()
@@ -390,7 +425,7 @@ class Lane:
                 raise
             except OSError as e:
                 self.counters.send_errors += 1
-                owner.counters.send_errors += 1
+                owner.totals.send_errors += 1
                 log.info("sender %s: connection to %s lost: %s", owner.name, self.address, e)
                 self._broken()  # (the reconnect rewinds a frame cut off mid-write)
             except Exception:  # never die
@@ -398,7 +433,7 @@ class Lane:
                 if any(f.started for f in batch):  # part of a frame is on the wire: start over
                     self._broken()
                 for f in batch:
-                    owner._drop(f.header, "error")
+                    owner.drop(f.header, "error")
                     self.queue.task_done()
                 batch.clear()
                 await asyncio.sleep(0.1)
@@ -423,7 +458,7 @@ class Lane:
         keep = []
         for f in self.batch:
             if drop_late(f.header, self.owner.realtime):
-                self.owner._drop(f.header, "deadline")
+                self.owner.drop(f.header, "deadline")
                 self.queue.task_done()
             else:
                 f.rewind()

@@ -56,7 +56,7 @@ from mmmesh.wire import Header, frame
 from ..config import Limits, Output
 from ..contract import drop_late
 from .frames import FrameQueue, OutFrame, joined, payload_view
-from .lane import Lane, LaneCounters, wait_writable
+from .lane import Lane, LaneCounters, LaneOwner, wait_writable
 from .spread import Swrr
 
 __all__ = ["FrameSender", "SenderCounters"]
@@ -137,6 +137,11 @@ class FrameSender:
         self._udp = output.transport == "udp"
         for a in output.addresses:  # a bad address fails here, not in a task
             parse_hostport(a, what=f"output {output.name}")
+        self.lane_owner = LaneOwner(
+            output.name, self.realtime, self.ready, self.counters, changed=self._lane_changed,
+            drop=self._drop, rebalance=self._rebalance, backoff_initial=backoff_initial,
+            backoff_max=backoff_max, connect_timeout=connect_timeout)
+        """What each of its lanes is handed (:class:`~.lane.LaneOwner`)."""
 
     @property
     def name(self) -> str:
@@ -158,9 +163,10 @@ class FrameSender:
             return
         addrs = self.output.addresses
         n = len(addrs)
-        self.lanes = [Lane(self, i, a, FrameQueue(_lane_bound(lim.outbound_queue, n, 1),
-                                                  _lane_bound(lim.outbound_queue_mb << 20, n, 1),
-                                                  lambda item: item.nbytes))
+        owner = self.lane_owner
+        self.lanes = [Lane(owner, i, a, FrameQueue(_lane_bound(lim.outbound_queue, n, 1),
+                                                   _lane_bound(lim.outbound_queue_mb << 20, n, 1),
+                                                   lambda item: item.nbytes))
                       for i, a in enumerate(addrs)]
         self.counters.lanes = [lane.counters for lane in self.lanes]
         self.counters.lanes_up = n

@@ -15,7 +15,8 @@ import pytest
 from typer.testing import CliRunner, Result
 
 import mmmeshctl as ctl
-from mmmeshctl import _client, _fast, _render
+from mmmeshctl import _client, _fast
+from mmmeshctl import render as _render
 from testkit.ctl_cases import ENV
 from testkit.qosd_fake import POLICY_A
 

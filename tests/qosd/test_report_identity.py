@@ -21,8 +21,9 @@ with warnings.catch_warnings():  # starlette's "install httpx2" notice
 
 from qosd import api
 from qosd.config import QosdConfig
+from qosd.daemon import build_controller, build_node, build_service, open_store
 from qosd.identity import Peer, ReportRefused, SenderResolver, cgroup_path, sender_of_cgroup
-from qosd.service import QosdService
+from qosd.sla.board import SlaBoard
 from qosd.sla.quota import SlaLimits
 from qosd.sla.reporters import DEFAULT_REPORTERS, ReporterRule, authorize
 from testkit.cgroups import (
@@ -195,29 +196,34 @@ def report(stage: str, frames: Any = 10, instance: str | None = "r-1") -> dict[s
 
 
 
-def sla_client(tmp_path: Path, pid: int, uid: int, **limits: Any) -> tuple[TestClient, Any]:
+def sla_client(tmp_path: Path, pid: int, uid: int, **limits: Any
+               ) -> tuple[TestClient, Any, SlaBoard]:
+    """The report socket's app over qosd's own parts (qosd/daemon.py builds them);
+    the board, to read what it kept."""
     cfg = QosdConfig(state_dir=tmp_path / "s", api_socket=tmp_path / "a.sock", sla_socket=None,
                      metrics_addr=None, sla_limits=SlaLimits(**limits))
-    svc = QosdService(cfg)
-    return TestClient(with_peer(api.create_sla_app(svc), pid=pid, uid=uid, gid=uid)), svc
+    node = build_node(cfg, open_store(cfg))
+    svc = build_service(cfg, node, build_controller(cfg, node))
+    return (TestClient(with_peer(api.create_sla_app(svc), pid=pid, uid=uid, gid=uid)), svc,
+            node.board)
 
 
 def test_route_answers_who_may_report_what(tmp_path: Path) -> None:
     with process(65534) as nobody:
-        c, svc = sla_client(tmp_path, nobody.pid, 65534)
+        c, svc, board = sla_client(tmp_path, nobody.pid, 65534)
         r = c.post("/v1/sla", json=report("asr"))
         assert r.status_code == 403 and r.json()["error"] == "not_allowed"
         assert "uid:65534:" in r.json()["message"] and "sla_reporters" in r.json()["message"]
         # checked before the body: even a malformed one gets the 403
         assert c.post("/v1/sla", json={"stage": ""}).status_code == 403
-    assert svc.sla()["instances"] == [] and svc.sla_board.stats()["refused:not_allowed"] == 2
-    c, svc = sla_client(tmp_path, os.getpid(), 65534)  # credentials not this process's
+    assert svc.sla()["instances"] == [] and board.stats()["refused:not_allowed"] == 2
+    c, svc, board = sla_client(tmp_path, os.getpid(), 65534)  # credentials not this process's
     assert c.post("/v1/sla", json=report("asr")).json()["error"] == "sender_changed"
-    assert svc.sla_board.stats()["refused:sender_changed"] == 1
+    assert board.stats()["refused:sender_changed"] == 1
 
 
 def test_route_bounds_and_rates(tmp_path: Path) -> None:
-    c, svc = sla_client(tmp_path, os.getpid(), os.getuid(), sender_burst=3, sender_rate=0.5)
+    c, svc, _ = sla_client(tmp_path, os.getpid(), os.getuid(), sender_burst=3, sender_rate=0.5)
     for frames, field in [(10**400, "body.reports[0].frames"), (-1, "body.reports[0].frames"),
                           (10**12 + 1, "body.reports[0].frames")]:
         r = c.post("/v1/sla", json=report("asr", frames))

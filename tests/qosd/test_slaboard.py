@@ -252,7 +252,11 @@ def test_sketches_are_kept_canonical() -> None:
 
 
 def _far_apart_bins() -> str:
-    from mmmesh.sla.sketch import _pb, _proto, new_sketch
+    from ddsketch.pb import proto as _proto
+
+    from mmmesh.sla import new_sketch
+
+    _pb = _proto.pb
 
     msg = _pb.DDSketch(mapping=_proto.KeyMappingProto.to_proto(new_sketch()._mapping))
     msg.positiveValues.binCounts[-100_000] = 1
@@ -261,7 +265,11 @@ def _far_apart_bins() -> str:
 
 
 def _proto(**fields: Any) -> str:
-    from mmmesh.sla.sketch import _pb, _proto, new_sketch
+    from ddsketch.pb import proto as _proto
+
+    from mmmesh.sla import new_sketch
+
+    _pb = _proto.pb
 
     msg = _pb.DDSketch(mapping=_proto.KeyMappingProto.to_proto(new_sketch()._mapping))
     for k, v in fields.get("bins", {}).items():

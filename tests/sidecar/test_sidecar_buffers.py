@@ -341,7 +341,7 @@ def test_after_a_reconnect_cut_frames_start_over_and_expired_ones_go() -> None:
     s = FrameSender(Output(name="s", address="127.0.0.1:9", modality="tensor",
                            sla_class="voice", realtime=True), Limits())
     q = FrameQueue(10, 0, lambda it: 0)
-    lane = Lane(s, 0, "127.0.0.1:9", q)
+    lane = Lane(s.lane_owner, 0, "127.0.0.1:9", q)
     a = np.zeros(4, np.uint8)
     cut = Framed(tensor_header(a, seq=0, deadline_ns=time.time_ns() + 10**10), [b"HDR", a])
     cut.consume(2)

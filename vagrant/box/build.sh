@@ -13,8 +13,8 @@
 # boots with grub (no host files involved), qcow2, in the box format of
 # vagrant-libvirt (box.img + metadata.json + Vagrantfile, from
 # box.Vagrantfile).  User vagrant with Vagrant's insecure public key and
-# passwordless sudo; DHCP on eth0; console on ttyS0; ssh host keys and
-# machine-id made on each VM's first boot.
+# passwordless sudo; DHCP on eth0 (systemd-networkd); console on ttyS0; ssh
+# host keys and machine-id made on each VM's first boot.
 #
 # Cache: $CACHE/boxes/<key>.box, key = a hash of this script, packages.txt,
 # box.Vagrantfile, the suite, the mirrors, the disk size and the insecure key.
@@ -114,19 +114,21 @@ configure_root() {
   echo "$HOSTNAME_IN_BOX" >"$r/etc/hostname"
   printf '127.0.0.1\tlocalhost\n127.0.1.1\t%s\n::1\tlocalhost ip6-localhost ip6-loopback\n' \
     "$HOSTNAME_IN_BOX" >"$r/etc/hosts"
-  # network: DHCP on the first NIC (names eth0, eth1...: net.ifnames=0 below)
-  cat >"$r/etc/network/interfaces" <<'EOF'
-# The box's network (vagrant/box/build.sh).  eth0: vagrant-libvirt's management
-# network, DHCP.  vagrant appends the private networks (eth1, ...) below.
-source /etc/network/interfaces.d/*
+  # network: DHCP on the first NIC (names eth0, eth1...: net.ifnames=0 below),
+  # systemd-networkd; vagrant adds 50-vagrant-ethN.network for the private ones
+  cat >"$r/etc/systemd/network/10-mmmesh-eth0.network" <<'EOF'
+# The box's management NIC (vagrant/box/build.sh): vagrant-libvirt's
+# management network, addressed by libvirt's DHCP; vagrant ssh goes here.
+[Match]
+Name=eth0
 
-auto lo
-iface lo inet loopback
+[Network]
+DHCP=ipv4
 
-allow-hotplug eth0
-iface eth0 inet dhcp
+[DHCPv4]
+UseHostname=no
 EOF
-  rm -f "$r/etc/resolv.conf" # dhclient writes it
+  ln -sfn ../run/systemd/resolve/stub-resolv.conf "$r/etc/resolv.conf"
   # user vagrant: insecure key, passwordless sudo (password "vagrant", the convention)
   in_root useradd --create-home --shell /bin/bash --groups sudo vagrant
   echo 'vagrant:vagrant' | in_root chpasswd
@@ -161,7 +163,8 @@ ExecStart=/usr/bin/ssh-keygen -A
 WantedBy=ssh.service
 EOF
   in_root systemctl enable ssh-host-keys.service ssh.service systemd-timesyncd.service \
-    >/dev/null 2>&1 || die "systemctl enable failed"
+    systemd-networkd.service systemd-resolved.service >/dev/null 2>&1 ||
+    die "systemctl enable failed"
   : >"$r/etc/machine-id"
   rm -f "$r/var/lib/dbus/machine-id"
   # bpffs where qosd pins (systemd mounts it on its own too, this makes it explicit)
@@ -303,8 +306,8 @@ else
   log "vagrant box add --force $BOX_NAME"
   vagrant box add --force --name "$BOX_NAME" "$BOX" >"$CACHE/box-add.log" 2>&1 ||
     { cat "$CACHE/box-add.log" >&2; die "vagrant box add failed"; }
-  prune_pool_volumes
 fi
+prune_pool_volumes
 
 cold="$(cat "$BOXES/$KEY.cold-seconds" 2>/dev/null || echo '?')"
 log "done in $((SECONDS - T0)) s (box $KEY; its cold build took $cold s)"

@@ -152,7 +152,12 @@ probe_files() {
 probe_boot() {
   local type="$1" deadline_s="$2" dir="$CACHE/probe" name="mmmesh-probe-$1" cpu
   local logf="$dir/serial-$type.log" xml="$dir/domain-$type.xml"
-  if [ "$type" = kvm ]; then cpu="<cpu mode='host-model'/>"; else cpu="<cpu mode='custom' match='exact'><model fallback='allow'>qemu64</model></cpu>"; fi
+  # the CPUs the box's Vagrantfile gives a domain of that type (box.Vagrantfile)
+  if [ "$type" = kvm ]; then
+    cpu="<cpu mode='host-model'/>"
+  else
+    cpu="<cpu mode='custom' match='exact'><model fallback='allow'>Westmere</model><feature policy='disable' name='cx16'/></cpu>"
+  fi
   virsh_ destroy "$name" >/dev/null 2>&1 || true
   : >"$logf"
   cat >"$xml" <<EOF

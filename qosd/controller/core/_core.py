@@ -19,9 +19,11 @@ from typing import Any
 from mmmesh.policy import KNOBS, Policy, format_rate
 
 from ._budget import Ledger, fund, recover, restore_budget
+from ._explain import explain
 from ._inputs import SlaInput, StageKey
 from ._law import Law, decayed, eased, frame_rates, judge
 from ._params import SIGN, ClassSpec, Decision, Params, clamp, show, specs
+from ._persist import read_saved, snapshot
 from ._state import Record, Subject
 
 Key = str | StageKey  # a class name, or (class, stage)
@@ -72,14 +74,10 @@ class Controller:
     # -- what it shows and keeps ---------------------------------------------------
     def explain(self) -> dict[str, Any]:
         """Per class: measured vs objective, current vs policy, last decisions, state."""
-        from ._explain import explain
-
         return explain(self)
 
     def snapshot(self) -> dict[str, Any]:
         """The state as JSON-able data (for :meth:`restore` after a restart)."""
-        from ._persist import snapshot
-
         return snapshot(self)
 
     @classmethod
@@ -87,9 +85,14 @@ class Controller:
                 law: Law | None = None) -> tuple[Controller, str]:
         """A controller with ``data``'s state if it still applies, else from
         the policy; and a sentence saying which and why (``_persist``)."""
-        from ._persist import restore
-
-        return restore(policy, data, now, law)
+        ctrl = cls(policy, law)
+        saved, why = read_saved(policy, data, now, ctrl.law, ctrl.specs)
+        if saved is not None:
+            ctrl.classes, ctrl.stages = saved.classes, saved.stages
+            ctrl.epoch, ctrl.window, ctrl.now = saved.epoch, saved.window, saved.saved_at
+            ctrl.frozen = saved.frozen
+            ctrl.decision = ctrl._decide((), ctrl.frozen)
+        return ctrl, why
 
     # -- the step ------------------------------------------------------------------
     def step(self, inp: SlaInput) -> Decision:
@@ -229,7 +232,10 @@ class Controller:
             if not spec.can_raise(k, v):
                 continue
             if k == "rate" and isinstance(key, str):
-                got, parts = fund(led, key, min(spec.steps[k], spec.ranges[k][1] - v))
+                want = min(spec.steps[k], spec.ranges[k][1] - v)
+                if v < spec.policy.rate:  # its own share back first: past it a window later
+                    want = min(want, spec.policy.rate - v)
+                got, parts = fund(led, key, want)
                 notes[:0] = parts
                 if not got:
                     subj.note = "missing; no rate to be had (no class has slack)"

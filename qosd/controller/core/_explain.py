@@ -17,19 +17,39 @@ steady      nothing due (at the policy, or holding an adapted value)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from mmmesh.policy import KNOBS
 
-from ._law import Verdict
+from ._inputs import StageKey
+from ._law import Law, Verdict
 from ._params import SIGN, ClassSpec, show
 from ._state import Subject
 
-if TYPE_CHECKING:
-    from ._core import Controller
+
+class Explained(Protocol):
+    """What :func:`explain` reads of a controller (``Controller`` is one)."""
+
+    @property
+    def law(self) -> Law: ...
+    @property
+    def specs(self) -> Mapping[str, ClassSpec]: ...
+    @property
+    def classes(self) -> Mapping[str, Subject]: ...
+    @property
+    def stages(self) -> Mapping[StageKey, Subject]: ...
+    @property
+    def window(self) -> int: ...
+    @property
+    def now(self) -> float: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def frozen(self) -> bool: ...
 
 
-def state_of(ctrl: Controller, subj: Subject, spec: ClassSpec, knobs: tuple[str, ...]) -> str:
+def state_of(ctrl: Explained, subj: Subject, spec: ClassSpec, knobs: tuple[str, ...]) -> str:
     """The one word for a subject's state (see the module doc)."""
     j = subj.judgement
     if ctrl.frozen:
@@ -60,7 +80,7 @@ def _measured(subj: Subject) -> dict[str, Any] | None:
     return out
 
 
-def _subject(ctrl: Controller, subj: Subject, spec: ClassSpec,
+def _subject(ctrl: Explained, subj: Subject, spec: ClassSpec,
              knobs: tuple[str, ...]) -> dict[str, Any]:
     return {
         "state": state_of(ctrl, subj, spec, knobs), "note": subj.note,
@@ -72,7 +92,7 @@ def _subject(ctrl: Controller, subj: Subject, spec: ClassSpec,
     }  # fmt: skip
 
 
-def explain(ctrl: Controller) -> dict[str, Any]:
+def explain(ctrl: Explained) -> dict[str, Any]:
     """Everything explain shows, as data (JSON-able), classes in rank order."""
     classes = []
     for name, spec in ctrl.specs.items():

@@ -21,7 +21,9 @@ increase           after ``miss_windows`` windows that miss in a row, out of bla
                    level), never past the range.  Rate is paid from the unreserved
                    link, then from classes that have slack (slack >= ``donor_margin``,
                    or no objective), lowest-ranked first, each giving at most one step
-                   of its own and never below its range
+                   of its own and never below its range; a class below its policy rate
+                   (it lent) is raised back to that rate first, and past it a window
+                   later (a step toward the policy never passes it)
 decay              after ``comfort_windows`` comfortable windows in a row, out of
                    blackout, and only if the load eased (some class's frames per window
                    fell by ``ease`` since the last increase) or the class has been
@@ -45,6 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from mmmesh.policy import Objective
+from mmmesh.sla import check_positive
 
 from ._inputs import Measure
 
@@ -93,10 +96,7 @@ class Law:
     """(class, stage) pairs tracked at most; beyond, new stages are ignored."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
-                raise ValueError(f"law.{f.name} must be a finite number > 0 (got {v!r})")
+        check_positive(self, "law")
         for name in ("add_step", "decay", "freeze_suspect", "ease"):
             if not getattr(self, name) < 1:
                 raise ValueError(f"law.{name} must be < 1")

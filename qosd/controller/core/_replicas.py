@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mmmesh.policy import Objective
+from mmmesh.sla import check_positive, decode_sketch, summary
 
 from ._inputs import Measure, _merge, _num
 from ._law import Judgement, Law, Verdict, judge
@@ -66,10 +67,7 @@ class ReplicaLaw:
     """Comfortable windows in a row before a step back."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
-                raise ValueError(f"replica_law.{f.name} must be a finite number > 0 (got {v!r})")
+        check_positive(self, "replica_law")
         if not self.cut < 1:
             raise ValueError("replica_law.cut must be < 1")
         if not 1 <= self.floor <= self.equal <= 65535:
@@ -275,8 +273,6 @@ def _p99(row: Mapping[str, Any]) -> float | None:
     sk = row.get("sketch_e2e")
     if not isinstance(sk, str) or not sk:
         return None
-    from mmmesh.sla.sketch import decode_sketch, summary
-
     try:
         s = summary(decode_sketch(sk))
     except Exception:  # noqa: BLE001 - an unreadable sketch is an unmeasured p99

@@ -18,7 +18,7 @@ core); this package is its host in qosd (docs/cluster.md, "Transport")::
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qosd.metrics.peers import PeersCollector
 
@@ -28,13 +28,19 @@ from ._identity import PeersError, node_of_uri, spiffe_id, valid_node_id
 __all__ = ["Peers", "PeersCollector", "PeersError", "Section", "node_of_uri", "resolve",
            "spiffe_id", "start_peers", "valid_node_id"]
 
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from qosd.config import QosdConfig
+
 log = logging.getLogger("qosd.mesh.membership.peers")
 
 
-async def start_peers(cfg: Any, service: Any, registry: Any) -> Peers | None:
-    """Starts the peers of ``cfg.peers`` (None without that section), puts them
-    on ``service.peers`` (the API's /v1/cluster routes) and their collector in
-    ``registry``.  A configuration that cannot work stops qosd (exit 2)."""
+async def start_peers(cfg: QosdConfig, registry: CollectorRegistry | None) -> Peers | None:
+    """Starts the peers of ``cfg.peers`` (None without that section) and puts
+    their collector in ``registry``; the caller hands them to whoever needs
+    them (qosd/store/cluster.py: the gossip back end, the API's
+    /v1/cluster/members).  A configuration that cannot work stops qosd (exit 2)."""
     if cfg.peers is None:
         return None
     try:
@@ -43,7 +49,6 @@ async def start_peers(cfg: Any, service: Any, registry: Any) -> Peers | None:
     except (PeersError, OSError) as e:
         log.error("%s", e)
         raise SystemExit(2) from e
-    service.peers = peers
     if registry is not None:
         registry.register(PeersCollector(peers))
     return peers

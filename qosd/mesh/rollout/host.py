@@ -4,10 +4,10 @@ on the peers' event loop (docs/cluster.md, "Policy rollout").
 Every call into the core runs on the peers' loop (``Peers.on_loop``), as the
 membership core's do.  The actions it returns are carried out here:
 
-* ``Realise``: in a worker thread, :func:`qosd.store.realise.realise`
+* ``Realise``: in a worker thread, :func:`qosd.mesh.rollout.realise.realise`
   (the path the etcd back end takes too): the text is localised to this
   node's link (qosd.yaml ``mesh_link``), checked realisable, and applied like
-  any policy (store prepare -> kernel -> activate), the mesh version recorded
+  any policy (the applier's store prepare -> kernel -> activate), the mesh version recorded
   in the version's note; the core is told the outcome (ACK, or NACK with the
   reason: xDS — a NACK keeps the previous version).
 * ``Fetch``: the text is asked from a peer over the transport's Fetch RPC.
@@ -15,10 +15,9 @@ membership core's do.  The actions it returns are carried out here:
   same report reaches the origin by gossip (docs/cluster.md: the origin's
   table completes in a few seconds at hundreds of nodes).
 
-A local apply (``PUT /v1/policy``, rollback) while peers are on makes this
-node run something that is not the mesh version: the core is told
-(``set_applied(None)``), so the node shows as pending and takes the mesh
-version back on its next level-triggered step.
+A node-local apply (``PUT /v1/policy``, rollback) is refused while the mesh
+has a version (409 ``mesh_managed``: qosd/service.py), so what this node runs
+changes only through ``Realise``.
 """
 
 from __future__ import annotations
@@ -27,12 +26,16 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-from qosd.mesh.rollout.core import Action, Fetch, Realise, Rollout
+from qosd.mesh.rollout.core import Action, Fetch, LinkOverride, Realise, Rollout
 from qosd.mesh.rollout.provider import RolloutProvider
-from qosd.store.realise import applied_version, link_override, realise
+from qosd.mesh.rollout.realise import MeshApplier, applied_version, realise
+from qosd.model import PolicySource
+
+if TYPE_CHECKING:
+    from qosd.mesh.membership.peers import Peers
 
 log = logging.getLogger("qosd.mesh.rollout.host")
 
@@ -40,18 +43,21 @@ SECTION = "rollout"
 
 
 class ClusterRollout:
-    """The rollout core of this node, its timer and its actions."""
+    """The rollout core of this node, its timer and its actions: versions
+    are realised through ``applier`` on ``link`` (qosd.yaml ``mesh_link``);
+    ``policy`` says which one the node runs at start."""
 
-    def __init__(self, peers: Any, service: Any) -> None:
+    def __init__(self, peers: Peers, applier: MeshApplier, policy: PolicySource,
+                 link: LinkOverride | None = None) -> None:
         self.peers = peers
-        self.service = service
+        self.applier = applier
         self.rollout = Rollout(peers.section(SECTION), random.Random(),
-                               applied=applied_version(service),
+                               applied=applied_version(policy),
                                wall_offset=time.time() - peers.now())
-        self.link = link_override(service.cfg)
+        self.link = link
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._unsubscribe: Any = None
+        self._unsubscribe: Callable[[], None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self.provider = RolloutProvider(self.rollout, peers.on_loop, self.dispatch,
                                         clock=peers.now)
@@ -118,16 +124,9 @@ class ClusterRollout:
 
     # -- in a worker thread -----------------------------------------------------------
     def _realise(self, a: Realise) -> None:
-        ok, reason = realise(self.service, self.link, a.version, a.text, a.author)
+        ok, reason = realise(self.applier, self.link, a.version, a.text, a.author)
 
         def report() -> None:
             self._run(self.rollout.on_realised(a.version, ok, reason, self.peers.now()))
 
         self.peers.on_loop(report)
-
-    def local_apply(self) -> None:
-        """A policy was applied on this node alone (from any thread)."""
-        def go() -> None:
-            self._run(self.rollout.set_applied(None, self.peers.now()))
-
-        self.peers.on_loop(go)

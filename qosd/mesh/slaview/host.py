@@ -17,9 +17,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qosd.mesh.slaview.core import SlaView, SlaViewConfig
+from qosd.model import BoardView
+
+if TYPE_CHECKING:
+    from qosd.mesh.membership.peers import Peers
 
 log = logging.getLogger("qosd.mesh.slaview.host")
 
@@ -31,7 +35,7 @@ class ClusterSla:
     """The view, fed by the board and the peers; ``targets()`` gives each
     class's p99 objective in ms (from the current policy)."""
 
-    def __init__(self, peers: Any, board: Any,
+    def __init__(self, peers: Peers, board: BoardView,
                  targets: Callable[[], Mapping[str, float] | None]) -> None:
         self.peers = peers
         self.board = board
@@ -85,4 +89,4 @@ class ClusterSla:
         def take() -> dict[str, Any]:
             return self.view.snapshot(self.peers.now(), targets, nodes=nodes)
 
-        return self.peers.on_loop(take)  # type: ignore[no-any-return]
+        return self.peers.on_loop(take)

@@ -22,7 +22,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from qosd.mesh.rollout.core import Announcement, MeshVersion, Report, RolloutConfig
+from qosd.mesh.rollout.core import Announcement, Report, RolloutConfig
 from qosd.mesh.rollout.core.codec import (
     Dropped,
     Reader,
@@ -135,7 +135,3 @@ class MemberRecord:
         return cls(node, addr[:300] if isinstance(addr, str) else "",
                    float(since) if isinstance(since, int | float) else 0.0,
                    obj.get("left") is True, create_revision)
-
-
-def version_of(text: str) -> MeshVersion:
-    return MeshVersion.parse(text)

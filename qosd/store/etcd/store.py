@@ -1,9 +1,10 @@
-"""The etcd back end in qosd: an :class:`EtcdNode` bound to the service.
+"""The etcd back end in qosd: an :class:`EtcdNode` bound to the node's parts.
 
-The node realises versions through :func:`qosd.store.realise.realise`
-(the gossip host's path), reads what it runs from the service's store,
-publishes the SLA board's windows and answers the API from its mirror.  API
-calls come from worker threads and hop onto qosd's loop (:meth:`EtcdNode.call`).
+The node realises versions through :func:`qosd.mesh.rollout.realise.realise`
+(the gossip host's path) on the applier it is given, reads what it runs from
+the policy source (the node's store), publishes the SLA board's windows and
+answers the API from its mirror.  API calls come from worker threads and hop
+onto qosd's loop (:meth:`EtcdNode.call`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import time
 from typing import Any
 
 from mmmesh.policy import parse_policy
+from qosd.config import QosdConfig
 from qosd.mesh.rollout.core import NO_VERSION, MeshVersion, parse_base
+from qosd.mesh.rollout.realise import MeshApplier, applied_version, link_override, realise
+from qosd.model import BoardView, PolicySource, p99_targets
 from qosd.store.etcd.client import EtcdClient, EtcdConfig
 from qosd.store.etcd.keys import Layout
 from qosd.store.etcd.node import EtcdNode
-from qosd.store.realise import applied_version, link_override, realise
 
 __all__ = ["EtcdStore"]
 
@@ -43,17 +46,23 @@ class EtcdRollout:
 class EtcdStore:
     backend = "etcd"
 
-    def __init__(self, cfg: Any, service: Any) -> None:
+    def __init__(self, cfg: QosdConfig, *, applier: MeshApplier, policy: PolicySource,
+                 board: BoardView) -> None:
+        """``cfg.cluster.etcd`` says where; mesh versions are applied through
+        ``applier``, ``policy`` is what the node runs, ``board`` the windows
+        it publishes."""
+        if cfg.cluster is None or cfg.cluster.etcd is None:
+            raise ValueError("the etcd back end needs qosd.yaml cluster.etcd")
         e = cfg.cluster.etcd
         client = EtcdClient(EtcdConfig(tuple(e.endpoints), e.ca_file, e.cert_file, e.key_file,
                                        e.server_name, e.timeout_s))
         link = link_override(cfg)
-        self.service = service
+        self.policy = policy
         self.node = EtcdNode(
             cfg.node_name, client, Layout(e.prefix),
-            realiser=lambda v, text, author: realise(service, link, v, text, author),
-            applied=lambda: applied_version(service), lease_ttl_s=e.lease_ttl_s,
-            sla_source=service.sla_board.view, sla_period_s=e.sla_period_s,
+            realiser=lambda v, text, author: realise(applier, link, v, text, author),
+            applied=lambda: applied_version(policy), lease_ttl_s=e.lease_ttl_s,
+            sla_source=board.view, sla_period_s=e.sla_period_s,
             addr=e.advertise or "")
         self.provider = EtcdRollout(self.node)
 
@@ -67,7 +76,7 @@ class EtcdStore:
         return self.provider
 
     def sla(self, nodes: bool) -> dict[str, Any] | None:
-        targets = self.service.p99_targets()
+        targets = p99_targets(self.policy)
 
         async def take() -> dict[str, Any]:
             return self.node.sla_snapshot(targets, nodes)
@@ -97,6 +106,9 @@ class EtcdStore:
         d = self.node.mirror.desired
         return d.ann.version if d is not None else None
 
+    def suspect_share(self) -> float:
+        return 0.0  # a member is alive (its lease) or gone: none is suspected
+
     def status(self) -> dict[str, Any]:
         n = self.node
         d = n.mirror.desired
@@ -105,7 +117,7 @@ class EtcdStore:
                 "lease": f"{n.lease:x}" if n.lease else None,
                 "members": len(n.mirror.members),
                 "desired": str(d.ann.version) if d else None,
-                "applied": str(v) if (v := applied_version(self.service)) else None}
+                "applied": str(v) if (v := applied_version(self.policy)) else None}
 
     def counters(self) -> dict[str, dict[str, int]]:
         n = self.node

@@ -762,8 +762,8 @@ def test_public_names() -> None:
     homes = {
         "MODALITY_ALIASES": wire, "Rate": _types, "load_policy": _yaml, "parse_policy": _yaml,
         "Verdict": reference, "classify_reference": reference, "reference_verdict": reference,
-        "Adapt": _adapt, "Objective": _adapt, "KNOBS": _adapt, "bounds": _adapt,
-        "policy_values": _adapt, "IfName": _types, "format_rate": _types,
+        "Adapt": _adapt, "Objective": _adapt, "KNOBS": _adapt, "IfName": _types,
+        "format_rate": _types,
     }  # fmt: skip
     for name in PUBLIC:
         assert getattr(pkg, name) is getattr(homes.get(name, _schema), name), name

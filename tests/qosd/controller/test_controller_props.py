@@ -115,7 +115,7 @@ def _check_records(ctrl: Controller, w: int, frozen: bool) -> None:
                 if abs(b - pol) > abs(a - pol):  # away from the policy: one step at most
                     assert abs(b - a) <= step_of(knob, pol, LAW), (name, knob, a, b)
                 else:  # toward it: never past it
-                    assert (b - pol) * (a - pol) >= 0
+                    assert (b - pol) * (a - pol) >= 0, (name, knob, a, b, pol, r.why)
 
 
 @settings(max_examples=150, deadline=None,

@@ -200,6 +200,33 @@ def test_merged_quantiles_are_those_of_the_union_of_samples() -> None:
     assert r["p99_range_ms"] == [r["p99_ms"], r["p99_ms"]]
 
 
+def test_the_global_attainment_is_the_boards() -> None:
+    """One attainment (mmmesh.sla): frames a node dropped on time count
+    against it in the global view as on its own board; the view used to say
+    ``1 - deadline_misses / frames`` (0.9875 here) while the board said 0.975."""
+    from mmmesh.sla import SlaReport
+    from qosd.sla.board import SlaBoard
+
+    board = SlaBoard()
+    for stage, frames, late, drops, att in (("asr", 100, 5, 5, 0.9), ("tts", 300, 0, 0, 1.0)):
+        board.report(SlaReport.model_validate({"stage": stage, "instance": f"{stage}-0",
+                                               "reports": [{
+            "sla_class": "voice", "modality": "audio", "window_s": 5.0, "frames": frames,
+            "deadline_misses": late, "drops": drops, "errors": 0, "attainment": att}]}),
+            now=WALL0)  # fmt: skip
+    seen = board.view(now=WALL0 + 1)
+    v = SlaView("n0")
+    v.local_windows(seen, 1.0, wall=WALL0 + 1, members=1)
+    r = voice(v.snapshot(1.0))
+    (own,) = (x for x in seen["classes"] if x["sla_class"] == "voice")
+    assert r["attainment"] == own["attainment"] == pytest.approx(390 / 400)
+    assert r["breakdown"][0]["attainment"] == own["attainment"]
+    assert r["deadline_misses"] == 10  # frames not within their deadline: late or dropped
+    stages = {x["stage"]: x["attainment"] for x in v.snapshot(1.0)["stages"]}
+    assert stages == {x["stage"]: x["attainment"] for x in seen["stages"]} == {
+        "asr": 0.9, "tts": 1.0}
+
+
 def test_digest_only_nodes_make_a_row_partial_and_bound_its_p99() -> None:
     v = SlaView("viewer")
     for k, (origin, digest, state) in enumerate(states(5)):

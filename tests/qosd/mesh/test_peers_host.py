@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
-from mmmeshctl._certs import issue_certs
+from mmmeshctl.certs import issue_certs
 from qosd.config import PeersConfig
 from qosd.mesh.membership._identity import load_credentials
 from qosd.mesh.membership._limits import PeerLimiter

@@ -115,7 +115,7 @@ class Expect:
 
 
 def reported_modality(mod: int | None, reason: str) -> str | int | None:
-    """A modality as ``classify`` reports it (docs/architecture.md): a name, the
+    """A modality as ``classify`` reports it (docs/dataplane.md): a name, the
     number of an unknown one, None without header or flow."""
     if mod is None:
         return None
@@ -150,7 +150,7 @@ class Reference:
         self.stats = stats
         self.ovr = ovr
         self.classid = {c.id: c.classid for c in policy.classes}
-        # 5-tuple + direction -> class, modality, boost level (docs/architecture.md)
+        # 5-tuple + direction -> class, modality, boost level (docs/dataplane.md)
         self.flows: dict[tuple[int, bytes, int, int, str], tuple[int, int, int]] = {}
 
     def leaf(self, f: Frame, direction: str, cid: int, level: int) -> int | None:

@@ -40,7 +40,7 @@ def frames() -> list[bytes]:
     ]
 
 
-# The keys of one `classify --json` line, as docs/architecture.md lists them.
+# The keys of one `classify --json` line, as docs/dataplane.md lists them.
 JSON_KEYS = {"index", "verdict", "retval", "priority", "classid", "class_id", "class",
              "modality", "reason", "clamped", "flow_learnt", "dscp_rewritten", "duration_ns",
              "packet"}
@@ -82,7 +82,7 @@ def test_classify_hex_json_keeps_every_frame(style: str) -> None:
 
 
 def test_architecture_doc_lists_the_json_keys() -> None:
-    text = (ROOT / "docs" / "architecture.md").read_text()
+    text = (ROOT / "docs" / "dataplane.md").read_text()
     section = text[text.index("### Checking a packet: `mmmesh dataplane classify`"):]
     section = section[: section.index("\n## ")]
     assert set(re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.MULTILINE)) == JSON_KEYS

@@ -151,7 +151,7 @@ def test_one_percent_loss_no_false_deaths(mesh: Mesh) -> None:
 
 
 def _outsider(mesh: Mesh, tmp: Path, name: str) -> MeshNode:
-    from mmmeshctl._certs import issue_certs
+    from mmmeshctl.certs import issue_certs
 
     certs = tmp / f"{name}-ca"
     issue_certs(certs, [name], ca_name="another CA")

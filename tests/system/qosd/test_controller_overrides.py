@@ -199,14 +199,15 @@ def test_a_failed_kernel_write_is_counted_and_never_raises(tmp_path: Path) -> No
     from qosd.config import QosdConfig, SocketLayerConfig
     from qosd.controller.core import Decision, Law
     from qosd.controller.kernel import KernelWriter, render_kernel
-    from qosd.service import QosdService
+    from qosd.daemon import build_node, open_store
 
     cfg = QosdConfig(state_dir=tmp_path, socket_layer=SocketLayerConfig.model_validate(
         {"stages": [{"name": "asr", "id": 2, "senders": [ASR_PREFIX]}]}))
-    svc = QosdService(cfg)
-    pv = svc.store.activate(svc.store.prepare(parse_policy(policy_yaml("mmq-none0"))))
-    svc.reconciler._last_good = pv  # as if applied: the device has no dataplane
-    kw = KernelWriter(svc, Law(period_s=PERIOD_S))
+    node = build_node(cfg, open_store(cfg))  # qosd's own parts, as qosd/daemon.py wires them
+    pv = node.store.activate(node.store.prepare(parse_policy(policy_yaml("mmq-none0"))))
+    node.reconciler._last_good = pv  # as if applied: the device has no dataplane
+    kw = KernelWriter(cfg.socket_layer.stages, Law(period_s=PERIOD_S), overrides=node.reconciler,
+                      host=node.socket_layer, policy=node.store, board=node.board)
     decision = Decision(0, {}, {"voice": {"asr": 5}}, (), False)
     for i in range(3):
         kw.write(pv.version, decision, 1000.0 + i)

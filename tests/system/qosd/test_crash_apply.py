@@ -142,7 +142,7 @@ def test_every_failpoint_is_listed_and_reached() -> None:
     root = Path(__file__).resolve().parents[3]
     seen: dict[str, int] = {}
     for path in [*root.glob("mmmesh/**/*.py"), *root.glob("qosd/**/*.py")]:
-        if path.name == "_failpoints.py":
+        if path.name == "failpoints.py":
             continue
         for name in re.findall(r'failpoint\("([a-z_.]+)"\)', path.read_text()):
             seen[name] = seen.get(name, 0) + 1

@@ -510,7 +510,7 @@ def test_daemon_wires_board_build_info_and_heartbeat() -> None:
     from qosd import daemon
 
     src = inspect.getsource(daemon.run)
-    assert "SlaBoardCollector(svc.sla_board)" in src
+    assert "SlaBoardCollector(node.board)" in src
     assert "node=cfg.node_name" in src and "resync_interval_s=cfg.resync_interval_s" in src
     loop = src[src.index("async def resync_loop"):src.index("async def flush_logs")]
-    assert loop.index("svc.resync") < loop.index("resync_ran()") < loop.index("except Exc")
+    assert loop.index("applier.resync") < loop.index("resync_ran()") < loop.index("except Exc")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import subprocess
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -93,10 +92,8 @@ def test_rollout_metrics_come_from_the_core() -> None:
     """A rollout from node 0 that node 2 NACKs: every table says 2 acked and 1
     nacked; node 2 is behind and runs no mesh version, node 0 is on it."""
     apps = rollout_apps(3, nack=(2,))
-    on = samples(scrape_text(ClusterAppsCollector(SimpleNamespace(
-        cluster_rollout_app=apps[0], cluster_sla_app=None))))
-    nacker = samples(scrape_text(ClusterAppsCollector(SimpleNamespace(
-        cluster_rollout_app=apps[2], cluster_sla_app=None))))
+    on = samples(scrape_text(ClusterAppsCollector(rollout=apps[0], sla=None)))
+    nacker = samples(scrape_text(ClusterAppsCollector(rollout=apps[2], sla=None)))
     version = str(apps[0].rollout.desired.version)
     for s in (on, nacker):
         assert s[("mmmesh_rollout_desired_info", frozenset({("version", version)}))] == 1
@@ -115,16 +112,14 @@ def test_no_mesh_version_no_rollout_table() -> None:
     """Before any mesh-wide apply every member would be 'pending': nothing is
     (a rollout-stuck alert must not fire on a mesh that never rolled out)."""
     app = rollout_apps(3, propose=False)[1]
-    s = samples(scrape_text(ClusterAppsCollector(SimpleNamespace(
-        cluster_rollout_app=app, cluster_sla_app=None))))
+    s = samples(scrape_text(ClusterAppsCollector(rollout=app, sla=None)))
     assert {v for (n, _), v in s.items() if n == "mmmesh_rollout_members"} == {0}
     assert s[("mmmesh_rollout_behind", frozenset())] == 0
     assert not any(n == "mmmesh_rollout_desired_info" for n, _ in s)
 
 
 def test_the_global_view_per_class_without_instances() -> None:
-    s = samples(scrape_text(ClusterAppsCollector(SimpleNamespace(
-        cluster_rollout_app=None, cluster_sla_app=sla_app(board_with(0.9))))))
+    s = samples(scrape_text(ClusterAppsCollector(rollout=None, sla=sla_app(board_with(0.9)))))
     voice = frozenset({("class", "voice"), ("modality", "audio")})
     assert s[("mmmesh_cluster_sla_attainment_ratio", voice)] == pytest.approx(0.9)
     assert s[("mmmesh_cluster_sla_frames", voice)] == 200
@@ -141,7 +136,7 @@ def test_the_global_view_per_class_without_instances() -> None:
 
 
 def test_without_peers_only_descriptions_and_a_broken_app_does_not_break_it() -> None:
-    c = ClusterAppsCollector(SimpleNamespace(cluster_rollout_app=None, cluster_sla_app=None))
+    c = ClusterAppsCollector(rollout=None, sla=None)
     assert not samples(scrape_text(c))
     assert {f.name for f in c.describe()} >= {"mmmesh_rollout_members",
                                               "mmmesh_cluster_sla_attainment_ratio"}
@@ -150,8 +145,7 @@ def test_without_peers_only_descriptions_and_a_broken_app_does_not_break_it() ->
         def snapshot(self, nodes: bool = True) -> dict[str, Any]:
             raise RuntimeError("boom")
 
-    s = samples(scrape_text(ClusterAppsCollector(SimpleNamespace(
-        cluster_rollout_app=rollout_apps(3)[0], cluster_sla_app=Broken()))))
+    s = samples(scrape_text(ClusterAppsCollector(rollout=rollout_apps(3)[0], sla=Broken())))
     assert s[("mmmesh_rollout_behind", frozenset())] == 0  # the rollout's still there
 
 
@@ -173,7 +167,7 @@ def test_daemon_registers_the_apps_collector() -> None:
     from qosd import daemon
 
     src = inspect.getsource(daemon.run)
-    assert "registry.register(ClusterAppsCollector(svc))" in src
+    assert "registry.register(ClusterAppsCollector(cluster.rollout_app, cluster.sla_app))" in src
 
 
 # --------------------------------------------------------------------------

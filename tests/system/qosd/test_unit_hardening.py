@@ -46,6 +46,7 @@ import yaml
 
 from testkit.privileged import require_privileged, veth_pair
 from testkit.qosd_node import EXAMPLE, VENV_BIN, free_port, policy_yaml
+from testkit.qosd_reports import report
 from testkit.socklayer_kit import connect, frame, inside, listener, read_frames, scratch_cgroup
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -523,6 +524,17 @@ def test_qosd_works_under_the_unit(contained: Contained) -> None:
         files = [p for p in state.rglob("*") if p.is_file()]
         assert files and all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in files), \
             [(p, oct(p.stat().st_mode)) for p in files]
+        # SLA windows with sketches, merged per stage and class under the unit's
+        # system-call filter (numpy's BLAS once made qosd die of SIGSYS here: mbind)
+        # (on the admin socket: this test runs outside the unit's pid namespace, where
+        # qosd cannot tell a sender on sla.sock)
+        for stage, p99 in (("asr", 40.0), ("kws", 90.0)):
+            r = client.post("/v1/sla", json=report(stage, 200, 0.99, p99))
+            assert r.status_code == 200, f"{r.text}\n{sd.diagnostics()}"
+        voice = [c for c in client.get("/v1/status").json()["sla"]["classes"]
+                 if c["sla_class"] == "voice"]
+        assert voice and voice[0]["frames"] == 400, voice
+        assert 85 <= voice[0]["e2e_ms"]["p99"] <= 95, voice  # the merged sketches' p99
 
     # a restart adopts the pins (same program ids) under the read-only /sys/fs/bpf
     ids = pinned_prog_ids(str(pins))

@@ -449,12 +449,6 @@ def _qosd_has_etcd(path: Path) -> bool:
         print("qosd.config has no cluster section yet: the etcd variant's qosd.yaml is "
               "checked against issue 11's shape only", file=sys.stderr)
         return False
-    saved = os.environ.get("MMMESH_QOSD_CONFIG")
-    try:
-        cfg = load_config(str(path))  # sets MMMESH_QOSD_CONFIG
-    finally:
-        os.environ.pop("MMMESH_QOSD_CONFIG", None)
-        if saved is not None:
-            os.environ["MMMESH_QOSD_CONFIG"] = saved
+    cfg = load_config(str(path))
     assert cfg.cluster is not None and cfg.cluster.backend == "etcd"
     return True

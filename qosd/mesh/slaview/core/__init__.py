@@ -28,9 +28,10 @@ Every publication carries the origin's sequence number; for each origin the
 view keeps the newest publication (its counts) and the newest that carried
 sketches (its quantiles), whichever channel brought them: last writer wins
 by (origin, seq), so order and duplicates do not matter.  The law (how
-often, how long) and the bounds are ``_slaview_config``, the rules of the
-merge ``_slaview_merge``, the bytes ``_slaview_codec``; docs/cluster.md
-("Global SLA view") has them all with the numbers.
+often, how long) and the bounds are ``_config``, the rules of the merge
+``_merge`` (those of ``mmmesh.sla``: one merge, one quantile rule, one
+attainment, the same as the node's board), the bytes ``_codec``;
+docs/cluster.md ("Global SLA view") has them all with the numbers.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mmmesh.sla.report import MAX_NAME
-from mmmesh.sla.sketch import parse_sketch
+from mmmesh.sla import MAX_COUNT, MAX_NAME, parse_sketch, value_key, within_deadline
 from qosd.mesh.membership.core import (
     AppBroadcast,
     AppMessage,
@@ -71,7 +71,7 @@ from qosd.mesh.slaview.core._codec import (
     encode_tail,
 )
 from qosd.mesh.slaview.core._config import SlaViewConfig, SlaViewStats
-from qosd.mesh.slaview.core._merge import NodeWindow, collapse, merge_row, sketch_keys, value_key
+from qosd.mesh.slaview.core._merge import NodeWindow, collapse, merge_row, sketch_keys
 
 __all__ = ["KEY_PREFIX", "SlaView", "SlaViewConfig", "SlaViewStats"]
 
@@ -178,9 +178,12 @@ class SlaView:
         if not (0 < len(cls) <= MAX_NAME and 0 < len(mod) <= MAX_NAME) or (
                 stage is not None and not 0 < len(stage) <= MAX_STAGE):
             raise ValueError("name out of bounds")
-        frames, misses = int(row["frames"]), int(row["deadline_misses"])
-        if not 0 <= misses <= frames or frames > 10**12:
+        frames, late = int(row["frames"]), int(row["deadline_misses"])
+        if not 0 <= late <= frames or frames > MAX_COUNT:
             raise ValueError("counts out of bounds")
+        # carried: the frames not within their deadline (late or dropped), what
+        # the row's attainment is made of (mmmesh.sla's one definition)
+        misses = frames - round(within_deadline(frames, row.get("attainment"), late))
         window_ms = min(MAX_WINDOW_MS, max(0, round(float(row.get("window_s") or 0) * 1000)))
         age_ms = min(MAX_AGE_MS, max(0, round((wall - float(row["received_at"])) * 1000)))
         sketch = parse_sketch(row["sketch_e2e"]) if row.get("sketch_e2e") else None

@@ -21,37 +21,44 @@ A window's age is ``age_ms`` (how old it was when its node published it)
 plus the publication's ``delay_ms`` (how long relays held it since): a relay
 rewrites the head only, never the tail.
 
-A quantile is carried as the DDSketch key of its bin (``mmmesh.sla.sketch``'s
-mapping, 1 % relative accuracy): 2 bytes, no precision lost against the
-sketch it came from.  A sketch is the canonical :class:`~mmmesh.sla.sketch.Sketch`
-(positive bins from ``offset``, first and last non-zero) with its counts as
-varints when they are whole numbers, float64 otherwise.
+A quantile is carried as the DDSketch key of its bin (``mmmesh.sla``'s
+mapping, 1 % relative accuracy; ``NO_KEY`` and ``ZERO_KEY`` are its sentinels
+for none and the zero bucket): 2 bytes, no precision lost against the sketch
+it came from.  A window's ``misses`` are its frames not within their deadline
+(late or dropped; see ``_merge.py``).  A sketch is the canonical
+:class:`~mmmesh.sla.Sketch` (positive bins from ``offset``, first and last
+non-zero) with its counts as varints when they are whole numbers, float64
+otherwise.
 
 :func:`decode_digest` and :func:`decode_state` treat their input as hostile:
 every length is checked before it is read, every number against the SLA
-report's bounds (``mmmesh.sla.report``), names like a report's, each sketch
+report's bounds (``mmmesh.sla``), names like a report's, each sketch
 rebuilt in canonical form and checked (:meth:`Sketch.check`, the same bounds
 ``parse_sketch`` applies to a sidecar's).  Anything else raises ``ValueError``.
 """
 
 from __future__ import annotations
 
-import math
 import struct
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from mmmesh.sla.report import MAX_COUNT, MAX_NAME, MAX_WINDOW_S
-from mmmesh.sla.sketch import MAX_ABS_KEY, Sketch
+from mmmesh.sla import (
+    KEY_SPAN,
+    MAX_ABS_KEY,
+    MAX_COUNT,
+    MAX_NAME,
+    MAX_WINDOW_S,
+    NO_KEY,
+    ZERO_KEY,
+    Sketch,
+    check_count,
+)
 
 MAGIC_DIGEST = 0xD1
 MAGIC_STATE = 0xD2
 NODE_WIDE = 0xFF
-NO_KEY = -32768
-"""No quantile (no sketch, or an empty one)."""
-ZERO_KEY = -32767
-"""The quantile falls in the sketch's zero bucket (below its smallest bin): 0 ms."""
 MAX_STAGE = 128  # SlaReport.stage's max_length
 MAX_STRINGS = 254  # 0xFF is the node-wide marker
 MAX_WINDOWS = 255
@@ -60,7 +67,6 @@ MAX_WINDOW_MS = int(MAX_WINDOW_S * 1000)
 MAX_AGE_MS = 10 * MAX_WINDOW_MS
 MAX_SEQ = (1 << 63) - 1
 MAX_SENT_MS = 1 << 53
-_SPAN = 2 * MAX_ABS_KEY + 1
 _EXACT = float(1 << 53)  # whole counts up to here are exact as float64 and as varints
 _I16 = struct.Struct("<h")
 _Q = struct.Struct("<hhh")
@@ -112,7 +118,7 @@ class Limits:
     max_bytes: int
     """A digest, or a bundle's body."""
     max_sketches: int = MAX_WINDOWS
-    max_bins: int = _SPAN
+    max_bins: int = KEY_SPAN
 
 
 # --------------------------------------------------------------------------
@@ -305,9 +311,8 @@ def _sketch(r: _Reader, limits: Limits) -> Sketch | None:
     if kind == 1:
         values = [float(r.varint(MAX_COUNT, "sketch count")) for _ in range(n + 1)]
     else:
-        values = list(struct.unpack(f"<{n + 1}d", r.take(8 * (n + 1))))
-        if not all(math.isfinite(c) and 0 <= c <= MAX_COUNT for c in values):
-            raise ValueError("sketch count not finite, negative or too large")
+        values = [check_count(c, "sketch count")
+                  for c in struct.unpack(f"<{n + 1}d", r.take(8 * (n + 1)))]
     sk = Sketch.of_counts(offset, array("d", values[1:]), values[0])
     sk.check()  # total within MAX_COUNT, as parse_sketch checks a sidecar's
     return sk

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from mmmesh.sla import check_positive
 from qosd.mesh.membership.core import ClusterError, Config
 from qosd.mesh.slaview.core._codec import MAX_WINDOWS, Limits
 
@@ -59,10 +60,7 @@ class SlaViewConfig:
     """Nodes whose data is held (the stalest go first)."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, (int, float)) and not value > 0:
-                raise ClusterError(f"slaview.{f.name} must be > 0 (got {value!r})")
+        check_positive(self, "slaview", error=ClusterError, skip=("cluster",))
         if not 64 <= self.digest_max_bytes <= self.cluster.packet_budget // 2:
             raise ClusterError("slaview.digest_max_bytes must be within 64 and half a packet "
                                f"({self.cluster.packet_budget // 2})")

@@ -23,6 +23,7 @@ __all__ = [
     "ListOutputOpt",
     "Output",
     "console",
+    "plain_table",
     "diff_view",
     "flows_table",
     "history_table",
@@ -100,7 +101,7 @@ def human_bytes(n: Any) -> str:
     return f"{v:.0f} B"
 
 
-def _table(title: str | None = None, **kw: Any) -> Table:
+def plain_table(title: str | None = None, **kw: Any) -> Table:
     """A borderless table with bold headers, as every table here is."""
     from rich.table import Table
 
@@ -127,7 +128,7 @@ def policy_view(doc: dict[str, Any]) -> Group:
                 f"{link.get('rate')}   default class {pol.get('default_class')}")
     if pol.get("description"):
         head.append(f"\n{pol['description']}", style="dim")
-    classes = _table()
+    classes = plain_table()
     for col in ("NAME", "ID", "MATCH", "RATE", "CEIL", "WEIGHT", "PRIO", "DSCP"):
         classes.add_column(col, justify="right" if col in ("ID", "WEIGHT", "PRIO", "DSCP")
                            else "left", overflow="fold")
@@ -141,7 +142,7 @@ def policy_view(doc: dict[str, Any]) -> Group:
     parts: list[Any] = [head, Text(""), classes]
     rules = pol.get("source_rules") or []
     if rules:
-        rt = _table()
+        rt = plain_table()
         rt.add_column("SOURCE PREFIX")
         rt.add_column("MAX CLASS")
         for r in rules:
@@ -164,7 +165,7 @@ def _match(match: dict[str, Any] | None) -> str:
 
 def history_table(versions: list[dict[str, Any]], current: int | None) -> Table:
     """The stored versions, newest first; ``*`` marks the current one."""
-    t = _table()
+    t = plain_table()
     for col in ("VERSION", "CREATED", "AUTHOR", "NOTE", "SHA256"):
         t.add_column(col, justify="right" if col == "VERSION" else "left")
     for v in versions:
@@ -254,7 +255,7 @@ def _uplink_table(dev: str, info: dict[str, Any]) -> Table:
     """Programs, then one row per class: BPF counters and HTB statistics."""
     progs = ", ".join(f"{d} prog {p.get('prog_id')}" for d, p in
                       sorted((info.get("programs") or {}).items())) or "NO programs attached"
-    t = _table(f"{dev}: {progs}")
+    t = plain_table(f"{dev}: {progs}")
     for col in ("CLASS", "HTB", "RANK", "EGRESS PKTS", "EGRESS BYTES", "INGRESS PKTS",
                 "HTB PKTS", "DROPS", "OVERLIMITS", "BACKLOG"):
         t.add_column(col, justify="left" if col in ("CLASS", "HTB") else "right")
@@ -273,7 +274,7 @@ def _uplink_table(dev: str, info: dict[str, Any]) -> Table:
     return t
 
 
-# The SLA tables' columns: (header, field of slareport.SlaMerged; "a.b" is
+# The SLA tables' columns: (header, field of mmmesh.sla.report.SlaMerged; "a.b" is
 # field b of the object in field a).  tests/mmmeshctl/test_ctl.py checks the names
 # against mmmesh/sla/report.py, so the schema stays the one source of them
 # without importing pydantic here.
@@ -288,7 +289,7 @@ def _sla_table(rows: list[dict[str, Any]], title: str, *, per_stage: bool) -> Ta
     """Merged SLA rows (``SlaView.stages`` or ``.classes``, each a SlaMerged): one
     per stage and class (``sources`` = sidecars), or per class node-wide (no
     stage; ``sources`` = windows)."""
-    t = _table(title)
+    t = plain_table(title)
     fields = [f for _, f in SLA_COLUMNS if per_stage or f != "stage"]
     for head, field in SLA_COLUMNS:
         if field in fields:
@@ -318,7 +319,7 @@ def _sla_cell(row: dict[str, Any], field: str) -> Any:
 # -- flows --------------------------------------------------------------------
 def flows_table(flows: list[dict[str, Any]], where: str) -> Table:
     """``GET /v1/flows/top``: one row per flow, busiest first."""
-    t = _table(f"top flows on {where}  ({time.strftime('%H:%M:%S')})")
+    t = plain_table(f"top flows on {where}  ({time.strftime('%H:%M:%S')})")
     for col, just in (("SOURCE", "left"), ("DESTINATION", "left"), ("PROTO", "left"),
                       ("CLASS", "left"), ("MODALITY", "left"), ("RATE", "right"),
                       ("BYTES", "right"), ("PACKETS", "right"), ("IDLE", "right")):

@@ -13,7 +13,7 @@ import typer
 
 from ._client import conn_of
 from ._fast import FastCommand, FastGroup
-from ._render import ListOutput, ListOutputOpt, _table, console, print_json
+from .render import ListOutput, ListOutputOpt, console, plain_table, print_json
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -81,7 +81,7 @@ def cluster_sla_view(view: dict[str, Any], *, nodes: bool) -> Group:
 def _classes_table(rows: list[dict[str, Any]]) -> Table:
     from rich.text import Text
 
-    t = _table()
+    t = plain_table()
     for col in ("CLASS", "MODALITY", "GLOBAL P99", "TARGET", "ATTAINMENT", "FRAMES", "NODES",
                 "P99 RANGE"):
         t.add_column(col, justify="left" if col in ("CLASS", "MODALITY") else "right")
@@ -100,7 +100,7 @@ def _classes_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def _nodes_table(row: dict[str, Any]) -> Table:
-    t = _table(f"{row.get('sla_class')}/{row.get('modality')} per node")
+    t = plain_table(f"{row.get('sla_class')}/{row.get('modality')} per node")
     for col in ("NODE", "P99", "FROM", "ATTAINMENT", "FRAMES", "AGE", "STALE"):
         t.add_column(col, justify="left" if col in ("NODE", "FROM", "STALE") else "right")
     for n in row.get("breakdown") or []:
