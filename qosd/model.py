@@ -23,7 +23,15 @@ and synchronous; the APIs call them from a worker thread
     GET  /v1/flows/top                        top_flows()
     POST /v1/sla                              sla_sender() (sla.sock only), report_sla()
     GET  /v1/sla                              sla()
+    GET  /v1/sla/explain                      sla_explain()
+    GET  /v1/cluster/members                  cluster_members(), else peers.snapshot()
+    PUT  /v1/cluster/policy                   cluster_rollout().propose()
+    GET  /v1/cluster/rollout                  cluster_rollout().table()
+    GET  /v1/cluster/sla                      cluster_sla()
     GET  /healthz, /readyz                    healthy(), ready()
+
+(the /v1/cluster routes answer 404 ``not_found`` when the node runs alone:
+no ``peers:`` section and no etcd back end).
 
 Errors are qosd/errors.py's or mmmesh/errors.py's (PolicyError,
 DataplaneError); the table in qosd/api/errors.py says what each becomes in
@@ -132,9 +140,10 @@ class Service(Protocol):
     def rollback(self, to_version: int, base_version: int | None = None,
                  author: str | None = None) -> tuple[PolicyVersion, ReconcileResult]: ...
     def status(self) -> dict[str, Any]:
-        """{"node": str, "policy_version": int, "uplinks": {dev: loader.status(...)},
-        "last_reconcile": ReconcileResult as dict | None, "store_problems": [str],
-        "started_at": float, "adopted": bool}"""
+        """{"node": str, "policy_version": int, "uplinks": {dev: Dataplane.status(...)
+        as dict}, "last_reconcile": ReconcileResult as dict | None, "store_problems":
+        [str], "started_at": float, "adopted": bool, "sla": sla(), "cluster":
+        ClusterStore.status() | None, "socket_layer": SocketLayerHost.status()}"""
         ...
     def top_flows(self, n: int = 20) -> list[FlowRow]: ...
     def sla_sender(self, peer: Peer) -> Sender:

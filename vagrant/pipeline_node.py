@@ -140,7 +140,6 @@ def class_counts(sock: str, device: str | None) -> dict[str, dict[str, int]]:
 def cmd_run(a: argparse.Namespace) -> int:
     from mmmesh.policy import Rate
 
-    procs.examples_importable()
     from demo.pipeline import onnx_models as make_onnx
 
     q = qosd_config()
