@@ -265,7 +265,7 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
                        class_names={c.id: c.name for c in cur.policy.classes})]
 
     registry, qmetrics = make_registry(targets, node=cfg.node_name,
-                                       resync_interval_s=cfg.resync_interval_s)
+                                       resync_interval_s=cfg.resync_interval_s, policy=store)
     node = build_node(cfg, store, qmetrics)
     registry.register(SlaBoardCollector(node.board))
     registry.register(SocketLayerCollector(node.socket_layer, node.kernel))

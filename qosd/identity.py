@@ -63,13 +63,29 @@ PEER_EXTENSION = "mmmesh.peer"  # the ASGI scope key the API server (qosd/httpd/
 MAX_PROC_READ = 64 * 1024  # /proc/<pid>/cgroup and status are far smaller
 
 
+REFUSAL_CODES = (
+    # 403: who is sending (qosd/identity.py, qosd/api/app.py), or what (qosd/sla/reporters.py)
+    "no_peer_credentials", "sender_unknown", "sender_gone", "sender_changed", "not_allowed",
+    "stage_not_allowed",
+    # 422: a number out of bounds that reached the board (qosd/sla/board.py)
+    "invalid_request",
+    # 429: a rate or a quota (qosd/sla/quota.py)
+    "rate_limited", "too_many_senders", "board_full", "sender_quota", "uid_quota",
+)
+"""Every ``ReportRefused.code``: ``mmmesh_sla_reports_refused_total{code}`` has a
+series for each from the start (at 0), so ``increase()`` sees the first refusal."""
+
+
 class ReportRefused(MeshError):
     """A report qosd will not take: 403 (who is sending, or which stage), 429
     (a quota or rate), 422 (a number out of bounds that reached the board
-    without the API's validation).  ``code`` says why in one word."""
+    without the API's validation).  ``code`` says why in one word, one of
+    :data:`REFUSAL_CODES`."""
 
     def __init__(self, status: int, code: str, message: str,
                  retry_after: float | None = None) -> None:
+        if code not in REFUSAL_CODES:
+            raise ValueError(f"refusal code {code!r} is not in REFUSAL_CODES")
         super().__init__(message)
         self.status = status
         self.code = code

@@ -11,6 +11,7 @@ real cores (testkit/cluster_metrics_fakes.py)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import socket
 import subprocess
@@ -171,14 +172,35 @@ def sidecar() -> MetricsServer:
     return serve_metrics(registry, "127.0.0.1:0")
 
 
+@dataclasses.dataclass(frozen=True)
+class FakeVersion:
+    """What the node's store holds: its own number, the note (``mesh 3@node-a``), the text."""
+
+    version: int
+    note: str | None
+    text: str
+
+
+class FakeStore:
+    def __init__(self, current: FakeVersion | None) -> None:
+        self._current = current
+
+    def current(self) -> FakeVersion | None:
+        return self._current
+
+
 def node(name: str, dps: list[FakeDataplane], version: int, attainment: float,
-         heartbeat_age_s: float, peers: FakePeers | None = None, rollout: Any = None) -> Node:
+         heartbeat_age_s: float, peers: FakePeers | None = None, rollout: Any = None,
+         mesh_version: str | None = None, text: str = "policy A") -> Node:
     """A qosd registry served on loopback; with ``peers`` a member of a mesh
-    (its global SLA view holds its own board; ``rollout``: its rollout app)."""
+    (its global SLA view holds its own board; ``rollout``: its rollout app);
+    its store runs local ``version`` (with ``mesh_version``: realising it)."""
     targets_, opener = fake_dataplanes(*dps)
     board = board_with(attainment)
+    store = FakeStore(FakeVersion(version, f"mesh {mesh_version}" if mesh_version else None,
+                                  text))
     registry, qm = make_registry(targets_, dataplane=opener, sla_board=board,
-                                 node=name, resync_interval_s=10)
+                                 node=name, resync_interval_s=10, policy=store)
     assert qm is not None
     qm.observe_reconcile(ReconcileResult(ok=True, version=version, started_at=time.time(),
                                          duration_s=0.05, trigger="startup"))

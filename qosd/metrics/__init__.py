@@ -74,6 +74,7 @@ from ._dataplane import (
 )
 from ._http import MetricsServer, iter_samples, serve_metrics
 from ._own import ADOPTION_RESULTS, QOSD_METRICS, RECONCILE_TRIGGERS, QosdMetrics
+from ._policy import POLICY_METRICS, PolicyCollector, PolicySource
 from ._sla import SLA_METRICS, BoardReader, SlaBoardCollector
 from ._socklayer import SOCKLAYER_METRICS, SocketLayerCollector
 from ._spec import sample_names
@@ -87,6 +88,7 @@ def exported_names(cluster: bool = True) -> set[str]:
     ``cluster``, the mesh's too (``mmmesh_cluster_*``, ``mmmesh_rollout_*``:
     exported with a ``peers:`` section; this imports qosd.mesh.membership.peers)."""
     names = (sample_names(DATAPLANE_METRICS) | sample_names(QOSD_METRICS)
+             | sample_names(POLICY_METRICS)
              | sample_names(SLA_METRICS) | sample_names(SOCKLAYER_METRICS))
     if cluster:
         from ._cluster import cluster_specs
@@ -101,16 +103,20 @@ def make_registry(targets: Callable[[], Iterable[Target]] | Sequence[Target],
                   process: bool = True, node: str = "",
                   resync_interval_s: float | None = None,
                   dataplane: DataplaneFactory = Dataplane,
+                  policy: PolicySource | None = None,
                   ) -> tuple[CollectorRegistry, QosdMetrics | None]:
     """A registry with the dataplane collector, the SLA board's (with
     ``sla_board``), the process collector (``process``) and qosd's own
     metrics (``qosd_metrics``; ``node`` and ``resync_interval_s`` for the
-    build info and the heartbeat).  More collectors can be registered later
+    build info and the heartbeat), the policy's info series (``policy``: the
+    node's store).  More collectors can be registered later
     (qosd registers the board's once its service exists)."""
     registry = CollectorRegistry()
     registry.register(DataplaneCollector(targets, dataplane))
     if sla_board is not None:
         registry.register(SlaBoardCollector(sla_board))
+    if policy is not None:
+        registry.register(PolicyCollector(policy))
     if process:
         ProcessCollector(registry=registry)
     qm = QosdMetrics(registry, node=node, resync_interval_s=resync_interval_s) \
@@ -123,6 +129,7 @@ __all__ = [
     "CLASSIFIER_EVENTS",
     "DATAPLANE_METRICS",
     "PARTITION_REASONS",
+    "POLICY_METRICS",
     "PROCESS_METRICS",
     "QOSD_METRICS",
     "RECONCILE_TRIGGERS",

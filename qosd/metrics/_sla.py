@@ -24,6 +24,8 @@ from typing import Any, Protocol
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from qosd.identity import REFUSAL_CODES
+
 from ._spec import Family, Spec, new_families
 
 log = logging.getLogger("qosd.metrics")
@@ -128,7 +130,9 @@ def _add_board_stats(fams: dict[str, Family], st: Mapping[str, Any]) -> None:
         fams[name].add_metric([], float(st.get(key, 0)))
     for key, cause in _EVICTIONS.items():
         fams["mmmesh_sla_board_evictions_total"].add_metric([cause], float(st.get(key, 0)))
-    for key, n in sorted(st.items()):
+    refused = {code: 0.0 for code in REFUSAL_CODES}  # every code from the start, at 0
+    for key, n in st.items():
         if key.startswith("refused:"):
-            fams["mmmesh_sla_reports_refused_total"].add_metric(
-                [key.removeprefix("refused:")], float(n))
+            refused[key.removeprefix("refused:")] = float(n)
+    for code, n in sorted(refused.items()):
+        fams["mmmesh_sla_reports_refused_total"].add_metric([code], n)

@@ -364,3 +364,23 @@ def test_row_bytes_match_what_rows_cost() -> None:
         print(f"\nrow with{'out' if sketch is None else ''} a sketch: {per_row:.0f} B "
               f"allocated, {booked:.0f} B booked")
         assert 0.75 * per_row <= booked <= 1.25 * per_row, (per_row, booked)
+
+
+def test_every_refusal_code_is_declared() -> None:
+    """Each ``ReportRefused(..., "code", ...)`` in qosd names a code of
+    REFUSAL_CODES (the metric exports them all from the start); an unknown
+    code is a programming error, refused at once."""
+    import re
+
+    import pytest
+
+    from qosd.identity import REFUSAL_CODES, ReportRefused
+    from testkit import ROOT
+
+    used = set()
+    for path in (ROOT / "qosd").rglob("*.py"):
+        used |= set(re.findall(r'ReportRefused\(\s*\d+,\s*"(\w+)"', path.read_text()))
+    used |= set(re.findall(r'_Level\("(\w+)"', (ROOT / "qosd/sla/quota.py").read_text()))
+    assert used == set(REFUSAL_CODES)
+    with pytest.raises(ValueError, match="REFUSAL_CODES"):
+        ReportRefused(403, "made_up", "no")

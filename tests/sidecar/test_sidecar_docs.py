@@ -23,3 +23,9 @@ def test_the_documented_sidecar_yaml_is_valid_and_a_dozen_lines() -> None:
     assert str(cfg.qosd.socket) == "/run/mmmesh/sla.sock"
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     assert len(lines) <= 14, f"{len(lines)} lines"
+
+
+def test_every_top_level_field_is_in_the_docs() -> None:
+    doc = (ROOT / "docs" / "sidecar.md").read_text()
+    missing = [f for f in SidecarConfig.model_fields if f"`{f}`" not in doc and f"{f}:" not in doc]
+    assert not missing, f"docs/sidecar.md does not name {missing}"

@@ -379,6 +379,11 @@ def test_sla_board_per_class_and_modality_without_instances() -> None:
     assert value(s, "mmmesh_sla_reports_accepted_total") == 3
     assert value(s, "mmmesh_sla_reports_refused_total", code="rate_limited") == 2
     assert value(s, "mmmesh_sla_reports_refused_total", code="not_allowed") == 1
+    # every other code has its series at 0 (so increase() sees a first refusal)
+    from qosd.identity import REFUSAL_CODES
+
+    for code in set(REFUSAL_CODES) - {"rate_limited", "not_allowed"}:
+        assert value(s, "mmmesh_sla_reports_refused_total", code=code) == 0, code
     assert value(s, "mmmesh_sla_board_evictions_total", cause="own") == 0
     assert value(s, "mmmesh_sla_board_evictions_total", cause="expired") == 0
     assert value(s, "mmmesh_sla_board_skipped_reads_total") == 0

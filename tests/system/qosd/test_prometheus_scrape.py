@@ -141,9 +141,9 @@ def test_dashboard_is_per_node() -> None:
 def test_dashboard_worst_node_stats_and_panels() -> None:
     dash = dashboard()
     qs = {p["title"]: [t["expr"] for t in p["targets"]] for p in panels(dash)}
-    version = qs["Policy version: oldest / newest node"]
-    assert any(e.startswith("min(mmmesh_policy_version") for e in version)
-    assert any(e.startswith("max(mmmesh_policy_version") for e in version)
+    version = qs["Mesh policy version: oldest / newest node"]
+    assert any(e.startswith("min(mmmesh_policy_mesh_counter") for e in version)
+    assert any(e.startswith("max(mmmesh_policy_mesh_counter") for e in version)
     assert qs["Flow table fill: fullest node"][0].startswith("max(mmmesh_flows{")
     assert "/ mmmesh_flows_capacity" in qs["Flow table fill: fullest node"][0]
     assert "mmmesh_resync_interval_seconds" in qs["Stale heartbeats"][0]
@@ -211,14 +211,18 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     apps = rollout_apps(3, nack=(2,))  # node-c's link cannot carry the mesh policy
     nodes = [
         node("node-a", [FakeDataplane("eth0", version=5, flows=10)], 5, 0.99, 0,
-             FakePeers(views["node-a"], cert_days=10, dropped={"rate_limited": 1}), apps[0]),
-        # a nearly full flow table; its kernel holds version 4, its qosd says 5
-        node("node-b", [FakeDataplane("eth0", version=4, flows=65000)], 5, 0.80, 0,
-             FakePeers(views["node-b"], health=4, dropped={"malformed": 1}), apps[1]),
-        # lags a version behind, a device without dataplane, a stuck resync loop
+             FakePeers(views["node-a"], cert_days=10, dropped={"rate_limited": 1}), apps[0],
+             mesh_version="3@node-a"),
+        # a nearly full flow table; a longer history (its store says 9 for the mesh's
+        # 3@node-a) and its kernel holds version 4
+        node("node-b", [FakeDataplane("eth0", version=4, flows=65000)], 9, 0.80, 0,
+             FakePeers(views["node-b"], health=4, dropped={"malformed": 1}), apps[1],
+             mesh_version="3@node-a"),
+        # lags a mesh version behind, a device without dataplane, a stuck resync loop
         node("node-c", [FakeDataplane("eth0", version=4, flows=100),
                         FakeDataplane("eth1", up=False)], 4, 0.97, 600,
-             FakePeers(views["node-c"], rtt_s=0.02, dropped={"too_large": 1}), apps[2]),
+             FakePeers(views["node-c"], rtt_s=0.02, dropped={"too_large": 1}), apps[2],
+             mesh_version="2@node-a", text="policy B"),
     ]
     with running_prometheus(tmp_path_factory.mktemp("prometheus"), nodes) as m:
         yield m
@@ -267,13 +271,16 @@ def test_stage_latency_panels_keep_the_kinds_apart(mesh: Mesh) -> None:
 def test_worst_node_stats_find_the_bad_nodes(mesh: Mesh) -> None:
     assert mesh.scalar(stat_query("Nodes reporting")) == 3
     assert mesh.scalar(stat_query("Dataplanes down")) == 1  # node-c eth1
-    title = "Policy version: oldest / newest node"
-    assert mesh.scalar(stat_query(title, "oldest")) == 4
-    assert mesh.scalar(stat_query(title, "newest")) == 5
+    title = "Mesh policy version: oldest / newest node"
+    assert mesh.scalar(stat_query(title, "oldest")) == 2
+    assert mesh.scalar(stat_query(title, "newest")) == 3
     assert mesh.scalar(stat_query(title, "behind")) == 1  # node-c
+    assert mesh.scalar(stat_query(title, "policies")) == 2  # node-c's text differs
     assert mesh.scalar(stat_query(title, "kernel != qosd")) == 1  # node-b eth0
-    # the old "max(mmmesh_policy_version)" said 5: nothing to see
-    assert mesh.scalar("max(mmmesh_policy_version)") == 5
+    # the old comparison of store numbers across nodes: node-a runs the newest
+    # mesh version under its own number 5 and would "lag" node-b's 9
+    old = mesh.query("mmmesh_policy_version < on() group_left() max(mmmesh_policy_version)")
+    assert {r["metric"]["instance"] for r in old} == {"node-a", "node-c"}
     fill = mesh.scalar(stat_query("Flow table fill: fullest node"))
     assert fill == pytest.approx(65000 / 65536)
     # the old sum/sum averaged node-b's full table away
@@ -285,7 +292,7 @@ def test_worst_node_stats_find_the_bad_nodes(mesh: Mesh) -> None:
     assert mesh.scalar(stat_query("Reconcile errors (1h): worst node")) == 0
     # the per-node policy panel shows who lags
     qosd_version = panel(dashboard(), "Policy version per node")["targets"][0]["expr"]
-    assert mesh.by_instance(grafana(qosd_version)) == {"node-a": 5, "node-b": 5, "node-c": 4}
+    assert mesh.by_instance(grafana(qosd_version)) == {"node-a": 5, "node-b": 9, "node-c": 4}
     heartbeat = panel(dashboard(), "Heartbeat age")["targets"][0]["expr"]
     ages = mesh.by_instance(grafana(heartbeat))
     assert ages["node-c"] >= 600 and ages["node-a"] < 60
