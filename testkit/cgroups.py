@@ -1,4 +1,5 @@
-"""Shared by the tests (moved from tests/qosd/test_report_identity.py: test modules are not libraries)."""
+"""Scratch cgroups and a process placed in one, for the report-identity tests
+(tests/qosd/test_report_identity.py, tests/system/qosd/test_report_hostile.py)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ from mmmesh.policy import Policy, load_policy, parse_policy
 from qosd.controller.core import Controller, Decision, Law, Measure, SlaInput, sim
 from testkit import ROOT
 
-EXAMPLE = load_policy(ROOT / "examples" / "policy.yaml")  # voice: rate [1.2mbit, 4.8mbit], weight [3, 10]
+# voice: rate [1.2mbit, 4.8mbit], weight [3, 10]
+EXAMPLE = load_policy(ROOT / "examples" / "policy.yaml")
 
 
 def _tight() -> Policy:

@@ -1,5 +1,5 @@
-"""Shared by tests/system/qosd/test_metrics.py and tests/system/qosd/test_prometheus_scrape.py: qosd's
-metrics without a kernel (a fake dataplane, ``DataplaneReader``, and SLA
+"""Shared by tests/system/qosd/test_metrics.py and test_prometheus_scrape.py:
+qosd's metrics without a kernel (a fake dataplane, ``DataplaneReader``, and SLA
 boards with known contents) and the Prometheus tools (``promtool``,
 ``prometheus``, Debian's package, installed by scripts/bootstrap.sh).
 

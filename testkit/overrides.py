@@ -3,8 +3,9 @@
 ``mmmesh.policy.reference`` models which *class* a frame gets; this models
 which *leaf* of that class it then goes to (docs/dataplane.md, "Per-flow
 overrides"), as a separate step after it, so the BPF fuzz
-(tests/system/dataplane/test_bpf_fuzz.py) and tests/mmmesh/policy/test_overrides.py, tests/system/dataplane/test_overrides_*.py can check the kernel's
-priority frame by frame:
+(tests/system/dataplane/test_bpf_fuzz.py), tests/mmmesh/policy/test_overrides.py
+and tests/system/dataplane/test_overrides_*.py can check the kernel's priority
+frame by frame:
 
 1. egress, a frame with a valid header, class C after the clamp: the level of
    a flow override of this 5-tuple for C, else of the longest stage override

@@ -1,4 +1,5 @@
-"""Shared by the tests (moved from tests/system/dataplane/test_overrides_dataplane.py: test modules are not libraries)."""
+"""The example policy on a test device, for the override tests
+(tests/system/dataplane/test_overrides_*.py)."""
 
 from __future__ import annotations
 

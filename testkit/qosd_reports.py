@@ -1,4 +1,5 @@
-"""Shared by the tests (moved from tests/system/qosd/test_controller_overrides.py: test modules are not libraries)."""
+"""SLA windows for a real qosd (a report, a reporter thread, a metric read),
+for the controller and socket-layer system tests (tests/system/qosd/)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Shared by the tests (moved from tests/qosd/mesh/test_cluster_rollout.py: test modules are not libraries)."""
+"""The rollout tests' shared cases: policies of known sizes, a fake gossip
+section, announcements and reports (tests/qosd/mesh/test_cluster_rollout*.py)."""
 
 from __future__ import annotations
 

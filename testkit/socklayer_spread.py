@@ -1,4 +1,5 @@
-"""Shared by the tests (moved from tests/system/dataplane/test_socklayer.py: test modules are not libraries)."""
+"""Frames spread over a stage's replicas by the socket layer, counted per
+replica (tests/system/dataplane/test_socklayer.py, tests/system/qosd/)."""
 
 from __future__ import annotations
 

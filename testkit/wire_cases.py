@@ -1,4 +1,5 @@
-"""Shared by the tests (moved from tests/mmmesh/wire/test_wire.py: test modules are not libraries)."""
+"""Malformed headers and the order of the reading rules, shared by the wire
+tests (tests/mmmesh/wire/)."""
 
 from __future__ import annotations
 
