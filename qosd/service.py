@@ -19,7 +19,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mmmesh import abi as _abi
+from mmmesh import abi
 from mmmesh.errors import MeshError
 from mmmesh.policy import Policy, parse_policy
 from mmmesh.sla.report import SlaReport
@@ -177,7 +177,7 @@ class QosdService:
                     rate = max(0.0, (f.bytes - prev[0]) * 8 / (now - prev[1]))
                 seen[f.key] = (f.bytes, now)
                 try:
-                    mod = _abi.Modality(f.modality).name.lower()
+                    mod = abi.Modality(f.modality).name.lower()
                 except ValueError:
                     mod = str(f.modality)
                 rows.append(FlowRow(

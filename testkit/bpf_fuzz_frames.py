@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from mmmesh import abi as _abi
+from mmmesh import abi
 from mmmesh.policy import Policy, parse_policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ MAC_DST, MAC_SRC = "02:00:00:00:00:02", "02:00:00:00:00:01"  # scapy: no ARP/ND 
 FPS_VALUES = [0, 1, 24, 30, 49, 50, 60, 120, 240, 241, 1000, 65535]
 BITRATES = [0, 64000, 255999, 256000, 1536000, 0xFFFFFFFF]
 DENSITIES = [0, 99999, 100000, 4999999, 5000000, 5000001, 0xFFFFFFFF]
-KNOWN_TLV = {int(t) for t in _abi.Tlv}
+KNOWN_TLV = {int(t) for t in abi.Tlv}
 UNKNOWN_TLV = [t for t in range(256) if t not in KNOWN_TLV]
 
 
@@ -296,7 +296,7 @@ def build_frame(r: random.Random, proto: int, payload: bytes, v6: bool | None = 
     if r.random() < 0.1:  # L2 padding behind the IP packet (ingress frames)
         out += r.randbytes(r.randint(1, 30))
     return Frame(bytes(out), proto, 6 if v6 else 4, l3_off, l4_off, payload, src,
-                 consistent=tags <= _abi.MAX_VLAN, sport=sport, dport=dport,
+                 consistent=tags <= abi.MAX_VLAN, sport=sport, dport=dport,
                  tcp_flags=tcp_flags)
 
 
@@ -349,7 +349,7 @@ def bpf_l3(data: bytes) -> tuple[int, int, bytes | None]:
         return 0, 0, None
     proto = (data[12] << 8) | data[13]
     off = 14
-    for _ in range(_abi.MAX_VLAN):
+    for _ in range(abi.MAX_VLAN):
         if proto not in (ETH_P_8021Q, ETH_P_8021AD):
             break
         if len(data) < off + 4:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 from ddsketch import DDSketch
 
-from mmmesh import abi as _abi
+from mmmesh import abi
 from mmmesh.dataplane import DataplaneStats, DirectionCounters, FlowCensus, HtbClassStats
 from mmmesh.errors import DataplaneError
 from mmmesh.sla.report import SlaReport
@@ -28,7 +28,7 @@ from qosd.sla.board import SlaBoard
 
 # the example policy's classes
 CLASS_NAMES = {10: "control", 11: "voice", 12: "video", 13: "lidar", 14: "best-effort"}
-HTB_LINK = (_abi.HTB_MAJOR << 16) | _abi.MAX_CLASSES
+HTB_LINK = (abi.HTB_MAJOR << 16) | abi.MAX_CLASSES
 
 
 @dataclass
@@ -71,8 +71,8 @@ class FakeDataplane:
         if not self.up:
             raise DataplaneError(f"no HTB on {self.iface}")
         n = max(1, self.reads) * self.step
-        out = {(_abi.HTB_MAJOR << 16) | cid: HtbClassStats(
-            classid=(_abi.HTB_MAJOR << 16) | cid, parent=HTB_LINK, bytes=n * 500, packets=n,
+        out = {(abi.HTB_MAJOR << 16) | cid: HtbClassStats(
+            classid=(abi.HTB_MAJOR << 16) | cid, parent=HTB_LINK, bytes=n * 500, packets=n,
             drops=n // 50 if cid == 12 else 0) for cid in CLASS_NAMES}
         out[HTB_LINK] = HtbClassStats(classid=HTB_LINK, parent=0)
         return out

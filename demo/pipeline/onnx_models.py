@@ -20,7 +20,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from demo.pipeline import stages
-from mmmesh import files as _files
+from mmmesh import files
 
 OPSET = 17  # ReduceMax takes `axes` as an attribute up to opset 17
 IR_VERSION = 8  # readable by onnxruntime >= 1.10
@@ -78,7 +78,7 @@ def _model(graph: onnx.GraphProto, doc: str) -> onnx.ModelProto:
 
 
 def write_atomic(model: onnx.ModelProto, path: Path) -> Path:
-    return _files.write_atomic(path, model.SerializeToString())
+    return files.write_atomic(path, model.SerializeToString())
 
 
 def verify(lidar_path: Path, decoder_path: Path) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +28,11 @@ from mmmesh.abi import (
 from mmmesh.errors import DataplaneError, NotSupportedError
 
 BPF_DIR = Path(__file__).resolve().parent.parent.parent / "bpf"
+"""The checkout's bpf/ (a source tree or an editable install)."""
 MAIN_SOURCE = BPF_DIR / "mm_tc.c"
+INSTALLED_SUBDIR = Path("share") / "mmmesh" / "bpf"
+"""Where a wheel puts the sources, under the install's data prefix (pyproject.toml,
+``[tool.setuptools.data-files]``): a venv's ``<venv>/share/mmmesh/bpf``."""
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
@@ -48,9 +54,32 @@ LAYERS: dict[str, Layer] = {
 }
 
 
+def installed_bpf_dirs() -> tuple[Path, ...]:
+    """Where an installed wheel's BPF sources can be: the data prefix of this
+    interpreter's install scheme (a venv: ``<venv>/share/mmmesh/bpf``), then
+    ``sys.prefix`` and the base prefix (``pip install --prefix``, a system install)."""
+    seen: list[Path] = []
+    for base in (sysconfig.get_path("data"), sys.prefix, sys.base_prefix):
+        if base:
+            cand = Path(base) / INSTALLED_SUBDIR
+            if cand not in seen:
+                seen.append(cand)
+    return tuple(seen)
+
+
 def bpf_dir() -> Path:
-    """The bpf/ source tree (overridable with MMMESH_BPF_DIR)."""
-    return Path(os.environ.get("MMMESH_BPF_DIR", str(BPF_DIR)))
+    """The BPF source tree bcc compiles: ``MMMESH_BPF_DIR`` if set, else the
+    checkout's ``bpf/`` beside the package (a source tree, an editable
+    install), else the sources an installed wheel carries (installed_bpf_dirs)."""
+    env = os.environ.get("MMMESH_BPF_DIR")
+    if env:
+        return Path(env)
+    if (BPF_DIR / "mm_tc.c").is_file():
+        return BPF_DIR
+    for cand in installed_bpf_dirs():
+        if (cand / "mm_tc.c").is_file():
+            return cand
+    return BPF_DIR  # nothing found: the error names the checkout's path
 
 
 def inline_source(path: Path, search: tuple[Path, ...] = (), _seen: set[Path] | None = None) -> str:

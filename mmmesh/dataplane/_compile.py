@@ -14,7 +14,7 @@ import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from mmmesh import abi as _abi
+from mmmesh import abi
 from mmmesh.errors import DataplaneError
 from mmmesh.policy.overrides import (
     PROTOCOLS,
@@ -33,21 +33,21 @@ _MAX_PRIO = 7  # HTB prios 0..7
 
 @dataclass
 class CompiledPolicy:
-    config: _abi.Config
-    classes: dict[int, _abi.ClassInfo]  # class id -> info (ids not here are invalid)
-    modalities: dict[int, _abi.ModalityInfo]
-    sources: list[tuple[_abi.SrcKey, _abi.SrcInfo]] = field(default_factory=list)
+    config: abi.Config
+    classes: dict[int, abi.ClassInfo]  # class id -> info (ids not here are invalid)
+    modalities: dict[int, abi.ModalityInfo]
+    sources: list[tuple[abi.SrcKey, abi.SrcInfo]] = field(default_factory=list)
     htb: HtbSpec | None = None
 
 
-def src_key(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> _abi.SrcKey:
+def src_key(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> abi.SrcKey:
     """LPM key: IPv4 networks become IPv4-mapped IPv6 (::ffff:a.b.c.d/96+len)."""
     if isinstance(net, ipaddress.IPv4Network):
         addr = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + net.network_address.packed)
         plen = 96 + net.prefixlen
     else:
         addr, plen = net.network_address, net.prefixlen
-    k = _abi.SrcKey()
+    k = abi.SrcKey()
     k.prefixlen = plen
     k.addr[:] = list(addr.packed)
     return k
@@ -78,14 +78,14 @@ def htb_burst(rate_bps: int) -> int | None:
 
 def compile_policy(policy: Policy, version: int = 0) -> CompiledPolicy:
     ranks = {c.name: i for i, c in enumerate(policy.ranked())}
-    classes: dict[int, _abi.ClassInfo] = {}
+    classes: dict[int, abi.ClassInfo] = {}
     for c in policy.classes:
-        classes[c.id] = _abi.ClassInfo(
+        classes[c.id] = abi.ClassInfo(
             classid=c.classid, valid=1, rank=ranks[c.name], dscp=c.dscp_value
         )
 
     # modality -> (conditional rules in file order, fallback class id)
-    rules: dict[int, list[_abi.Rule]] = {}
+    rules: dict[int, list[abi.Rule]] = {}
     fallback: dict[int, int] = {}
     for c in policy.classes:
         if c.match is None:
@@ -96,14 +96,14 @@ def compile_policy(policy: Policy, version: int = 0) -> CompiledPolicy:
                 fallback.setdefault(int(m), c.id)
             else:
                 rules.setdefault(int(m), []).append(
-                    _abi.Rule(meta=int(c.match.meta), class_id=c.id, min=cond.min, max=cond.max)
+                    abi.Rule(meta=int(c.match.meta), class_id=c.id, min=cond.min, max=cond.max)
                 )
-    modalities: dict[int, _abi.ModalityInfo] = {}
+    modalities: dict[int, abi.ModalityInfo] = {}
     for m in set(rules) | set(fallback):
-        mi = _abi.ModalityInfo(valid=1, default_class=fallback.get(m, 0))
+        mi = abi.ModalityInfo(valid=1, default_class=fallback.get(m, 0))
         rs = rules.get(m, [])
-        if len(rs) > _abi.MAX_RULES:  # the schema refuses this; guard anyway
-            raise ValueError(f"modality {m}: more than {_abi.MAX_RULES} metadata rules")
+        if len(rs) > abi.MAX_RULES:  # the schema refuses this; guard anyway
+            raise ValueError(f"modality {m}: more than {abi.MAX_RULES} metadata rules")
         mi.nrules = len(rs)
         for i, r in enumerate(rs):
             mi.rules[i] = r
@@ -115,12 +115,12 @@ def compile_policy(policy: Policy, version: int = 0) -> CompiledPolicy:
         mc = policy.class_named(rule.max_class)
         r = ranks[mc.name]
         clamp_below = max(clamp_below, r)
-        sources.append((src_key(rule.prefix), _abi.SrcInfo(max_class=mc.id, max_rank=r)))
+        sources.append((src_key(rule.prefix), abi.SrcInfo(max_class=mc.id, max_rank=r)))
 
-    config = _abi.Config(
+    config = abi.Config(
         policy_version=version & 0xFFFFFFFF,
         default_class=policy.default.id,
-        flags=_abi.CFG_HAS_SRC_RULES if sources else 0,
+        flags=abi.CFG_HAS_SRC_RULES if sources else 0,
         clamp_below_rank=clamp_below,
     )
     link = int(policy.link.rate)
@@ -145,7 +145,7 @@ def compile_policy(policy: Policy, version: int = 0) -> CompiledPolicy:
 # "Per-flow and per-stage overrides")
 # --------------------------------------------------------------------------
 MIN_RATE_BPS = 8000  # 1 kB/s: a leaf being emptied (far lower rates overflow tc's buffer)
-HTB_PARENT = (_abi.HTB_MAJOR << 16) | _abi.MAX_CLASSES  # 1:40 (as _netlink.HTB_PARENT)
+HTB_PARENT = (abi.HTB_MAJOR << 16) | abi.MAX_CLASSES  # 1:40 (as _netlink.HTB_PARENT)
 
 
 @dataclass(frozen=True)
@@ -159,14 +159,14 @@ class BoostLeaf:
 
     @property
     def classid(self) -> int:
-        return _abi.boost_classid(self.class_id, self.level)
+        return abi.boost_classid(self.class_id, self.level)
 
 
 @dataclass
 class CompiledOverrides:
     boosts: dict[tuple[int, int], BoostLeaf]  # (class id, level) -> leaf
-    stages: list[tuple[_abi.StageOvrKey, _abi.OvrInfo]] = field(default_factory=list)
-    flows: list[tuple[_abi.FlowKey, _abi.OvrInfo]] = field(default_factory=list)
+    stages: list[tuple[abi.StageOvrKey, abi.OvrInfo]] = field(default_factory=list)
+    flows: list[tuple[abi.FlowKey, abi.OvrInfo]] = field(default_factory=list)
     flags: int = 0  # CFG_STAGE_OVERRIDES | CFG_FLOW_OVERRIDES as needed
     dropped: list[str] = field(default_factory=list)  # drop_invalid: what was left out, why
 
@@ -174,28 +174,28 @@ class CompiledOverrides:
 def boost_class(classid: int) -> int | None:
     """The class id whose boost leaf ``classid`` is, None if it is no boost leaf."""
     minor = classid & 0xFFFF
-    if classid >> 16 != _abi.HTB_MAJOR or not _abi.MAX_CLASSES < minor < _abi.BOOST_MINOR_STEP \
-            * (_abi.MAX_BOOSTS + 1) or minor % _abi.BOOST_MINOR_STEP == 0:
+    if classid >> 16 != abi.HTB_MAJOR or not abi.MAX_CLASSES < minor < abi.BOOST_MINOR_STEP \
+            * (abi.MAX_BOOSTS + 1) or minor % abi.BOOST_MINOR_STEP == 0:
         return None
-    return minor % _abi.BOOST_MINOR_STEP
+    return minor % abi.BOOST_MINOR_STEP
 
 
 def _mapped(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bytes:
     return b"\0" * 10 + b"\xff\xff" + addr.packed if addr.version == 4 else addr.packed
 
 
-def stage_key(class_id: int, prefix: str) -> _abi.StageOvrKey:
+def stage_key(class_id: int, prefix: str) -> abi.StageOvrKey:
     """stage_ovr_map key: the class byte (+ pad) then the prefix, IPv4 mapped."""
     net = network("prefix", prefix)
-    k = _abi.StageOvrKey(class_id=class_id)
+    k = abi.StageOvrKey(class_id=class_id)
     k.prefixlen = 32 + net.prefixlen + (96 if net.version == 4 else 0)
     k.addr[:] = list(_mapped(net.network_address))
     return k
 
 
-def flow_key(o: FlowOverride) -> _abi.FlowKey:
+def flow_key(o: FlowOverride) -> abi.FlowKey:
     """flow_map's key of an egress flow (ports be)."""
-    k = _abi.FlowKey(proto=PROTOCOLS[o.proto], dir=_abi.DIR_EGRESS)
+    k = abi.FlowKey(proto=PROTOCOLS[o.proto], dir=abi.DIR_EGRESS)
     k.saddr[:] = list(_mapped(address("src", o.src)))
     k.daddr[:] = list(_mapped(address("dst", o.dst)))
     k.sport = socket.htons(o.sport)
@@ -247,7 +247,7 @@ def _levels(wanted: dict[int, set[tuple[int, int]]],
             if lvl is not None:
                 used[wp] = lvl
         spare = [lv for lv in sorted(cur) if lv not in used.values()]
-        spare += [lv for lv in range(1, _abi.MAX_BOOSTS + 1) if lv not in cur]
+        spare += [lv for lv in range(1, abi.MAX_BOOSTS + 1) if lv not in cur]
         for wp in sorted(pairs - set(used)):
             used[wp] = spare.pop(0)
         for wp, lvl in used.items():
@@ -270,7 +270,7 @@ def compile_overrides(policy: Policy, overrides: Overrides, *, bounds: Policy | 
     that override out (listed in ``dropped``)."""
     problems: list[str] = []
     by_name = {c.name: c for c in policy.classes}
-    resolved: list[tuple[int, tuple[int, int], _abi.StageOvrKey | _abi.FlowKey]] = []
+    resolved: list[tuple[int, tuple[int, int], abi.StageOvrKey | abi.FlowKey]] = []
     seen: set[bytes] = set()
     every: list[tuple[str, StageOverride | FlowOverride]] = [
         *((f"stages[{i}]", o) for i, o in enumerate(overrides.stages)),
@@ -294,9 +294,9 @@ def compile_overrides(policy: Policy, overrides: Overrides, *, bounds: Policy | 
     for cid, wp, _ in resolved:
         wanted.setdefault(cid, set()).add(wp)
     for cid, pairs in list(wanted.items()):
-        if len(pairs) > _abi.MAX_BOOSTS:
+        if len(pairs) > abi.MAX_BOOSTS:
             problems.append(f"class id {cid}: {len(pairs)} different boosts, at most "
-                            f"{_abi.MAX_BOOSTS} (boost leaves per class)")
+                            f"{abi.MAX_BOOSTS} (boost leaves per class)")
             del wanted[cid]
     if problems and not drop_invalid:
         raise DataplaneError(errno.EINVAL, "overrides: " + "; ".join(problems))
@@ -307,13 +307,13 @@ def compile_overrides(policy: Policy, overrides: Overrides, *, bounds: Policy | 
             continue
         lvl = levels[(cid, wp)]
         out.boosts[(cid, lvl)] = BoostLeaf(cid, lvl, *wp)
-        info = _abi.OvrInfo(class_id=cid, level=lvl)
-        if isinstance(key, _abi.StageOvrKey):
+        info = abi.OvrInfo(class_id=cid, level=lvl)
+        if isinstance(key, abi.StageOvrKey):
             out.stages.append((key, info))
-            out.flags |= _abi.CFG_STAGE_OVERRIDES
+            out.flags |= abi.CFG_STAGE_OVERRIDES
         else:
             out.flows.append((key, info))
-            out.flags |= _abi.CFG_FLOW_OVERRIDES
+            out.flags |= abi.CFG_FLOW_OVERRIDES
     return out
 
 

@@ -16,7 +16,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from mmmesh import abi as _abi
+from mmmesh import abi
 from mmmesh.errors import DataplaneError
 from mmmesh.failpoints import failpoint
 from mmmesh.policy.overrides import FlowOverride, OverrideEntry, Overrides, StageOverride
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mmmesh.dataplane")
 
-_DIRECTIONS = {_abi.DIR_EGRESS: "egress", _abi.DIR_INGRESS: "ingress"}
+_DIRECTIONS = {abi.DIR_EGRESS: "egress", abi.DIR_INGRESS: "ingress"}
 DRAIN_S = 1.0  # how long a boost leaf that goes away may take to send what it holds
 
 
@@ -90,7 +90,7 @@ def _not_applied(nl: Netlink, idx: int, maps: Maps, policy: Policy, spec: HtbSpe
     if nl.root_qdisc(idx) != ("htb", HTB_ROOT) or nl.htb_default(idx) != spec.default_minor:
         return "the device's HTB root is not the one up() made for this policy"
     want = {c.id: c.classid for c in policy.classes}
-    for cid in range(1, _abi.MAX_CLASSES):
+    for cid in range(1, abi.MAX_CLASSES):
         info = maps.classes.lookup(cid)
         have = int(info.classid) if info is not None and info.valid else None
         if have != want.get(cid):
@@ -149,7 +149,7 @@ class Dataplane:
             nl.ensure_clsact(idx)
             attached = nl.bpf_filters(idx)
             prog_ids: dict[str, int] = {}
-            for direction, prog in _abi.PROGRAMS.items():
+            for direction, prog in abi.PROGRAMS.items():
                 if direction == "ingress" and not ingress:
                     nl.detach_bpf(idx, direction)
                     continue
@@ -229,7 +229,7 @@ class Dataplane:
         with Netlink(self.netns) as nl:
             if nl.link_exists(self.iface):
                 idx = nl.ifindex(self.iface)
-                for direction in _abi.PROGRAMS:
+                for direction in abi.PROGRAMS:
                     nl.detach_bpf(idx, direction)
                 nl.remove_clsact_if_empty(idx)
                 nl.remove_htb(idx)
@@ -296,7 +296,7 @@ class Dataplane:
         with Maps.open_pinned(self.pin_dir) as maps:
             stats = maps.read_stats()
             classes: list[ClassStatus] = []
-            for cid in range(1, _abi.MAX_CLASSES):
+            for cid in range(1, abi.MAX_CLASSES):
                 info = maps.classes.lookup(cid)
                 if info is None or not info.valid:
                     continue
@@ -341,7 +341,7 @@ class Dataplane:
             idx = nl.ifindex(self.iface)
             filters = nl.bpf_filters(idx)
             pinned = _pins.pinned_prog_ids(self.pin_dir)
-            for d in _abi.PROGRAMS:
+            for d in abi.PROGRAMS:
                 if d not in filters:
                     found.append(f"{d} program detached")
                 elif pinned.get(d) and filters[d].get("prog_id") != pinned[d]:

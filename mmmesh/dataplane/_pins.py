@@ -3,7 +3,7 @@ and compiling a new one into place.
 
 Programs and maps of a device are pinned under ``/sys/fs/bpf/mmmesh/<dev>/``
 (``@<netns>/<dev>`` for a device in a named netns), named as in
-``_abi.PROGRAMS`` and ``_abi.MAPS``.  One of the same ABI version and build id
+``abi.PROGRAMS`` and ``abi.MAPS``.  One of the same ABI version and build id
 (``meta_map``) is adopted; anything else is replaced by a new build compiled
 into a staging directory and swapped in only once it is pinned.
 """
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from mmmesh import abi as _abi
+from mmmesh import abi
 from mmmesh.errors import DataplaneError, MeshError
 
 from . import _bpf
@@ -79,7 +79,7 @@ def pinned_state(directory: str, want_build: int) -> str:
     "absent"."""
     if not os.path.isdir(directory):
         return "absent"
-    needed = [*_abi.PROGRAMS.values(), *_abi.MAP_NAMES]
+    needed = [*abi.PROGRAMS.values(), *abi.MAP_NAMES]
     if any(not os.path.exists(os.path.join(directory, n)) for n in needed):
         return "replace"
     try:
@@ -87,7 +87,7 @@ def pinned_state(directory: str, want_build: int) -> str:
     except DataplaneError:
         return "replace"
     try:
-        ok = maps.abi_version() == _abi.ABI_VERSION and maps.build_id() == want_build
+        ok = maps.abi_version() == abi.ABI_VERSION and maps.build_id() == want_build
     finally:
         maps.close()
     return "adopt" if ok else "replace"
@@ -141,7 +141,7 @@ def load_and_pin(directory: str, tunables: dict[str, int] | None, build: int, *,
 def pinned_prog_ids(directory: str) -> dict[str, int]:
     """direction -> id of the program pinned in ``directory`` (missing ones left out)."""
     out: dict[str, int] = {}
-    for direction, name in _abi.PROGRAMS.items():
+    for direction, name in abi.PROGRAMS.items():
         try:
             fd = _bpf.obj_get(os.path.join(directory, name))
         except MeshError:

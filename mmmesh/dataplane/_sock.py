@@ -2,7 +2,7 @@
 attaching and detaching, and typed access to its maps.
 
 Programs and maps are pinned under ``/sys/fs/bpf/mmmesh/sock/<cgroup>/``
-(``_abi.SOCK_PROGRAMS``, ``_abi.SOCK_MAPS``; ``<cgroup>`` is the cgroup's
+(``abi.SOCK_PROGRAMS``, ``abi.SOCK_MAPS``; ``<cgroup>`` is the cgroup's
 path below the cgroup v2 mount, percent-encoded: bpffs refuses dots, and
 ``@root`` for the root).  ``mm_sockops`` is attached to the cgroup and
 ``mm_sk_msg`` to ``sock_hash`` with BPF_PROG_ATTACH (no link), so both stay
@@ -20,7 +20,7 @@ import re
 import string
 from typing import Self
 
-from mmmesh import abi as _abi
+from mmmesh import abi
 from mmmesh.errors import DataplaneError, NotSupportedError
 
 from . import _bpf
@@ -28,7 +28,7 @@ from ._bpf import Map
 from ._pins import PIN_ROOT
 
 SOCK_PIN_ROOT = os.path.join(PIN_ROOT, "sock")
-USER_MAPS = tuple(m for m in _abi.SOCK_MAPS if m.user)
+USER_MAPS = tuple(m for m in abi.SOCK_MAPS if m.user)
 _SAFE = frozenset(string.ascii_letters + string.digits + "_-")
 _OCTAL = re.compile(r"\\([0-7]{3})")
 
@@ -115,8 +115,8 @@ class SockMaps:
         return int(cfg.flags) if cfg is not None else 0
 
     def write_flags(self, flags: int) -> None:
-        cur = self.config.lookup(0) or _abi.SockConfig()
-        self.config.update(0, _abi.SockConfig(flags=flags, version=(int(cur.version) + 1)
+        cur = self.config.lookup(0) or abi.SockConfig()
+        self.config.update(0, abi.SockConfig(flags=flags, version=(int(cur.version) + 1)
                                               & 0xFFFFFFFF))
 
     def meta_info(self) -> tuple[int, int]:
@@ -127,9 +127,9 @@ class SockMaps:
 
 def stamp(directory: str, build: int) -> None:
     """Writes the ABI version and build id into a freshly pinned layer."""
-    meta = Map.open_pinned(os.path.join(directory, "sock_meta_map"), ctypes.c_uint32, _abi.Meta)
+    meta = Map.open_pinned(os.path.join(directory, "sock_meta_map"), ctypes.c_uint32, abi.Meta)
     try:
-        meta.update(0, _abi.Meta(abi_version=_abi.ABI_VERSION, build_id=build))
+        meta.update(0, abi.Meta(abi_version=abi.ABI_VERSION, build_id=build))
     finally:
         meta.close()
 
@@ -139,15 +139,15 @@ def pinned_state(directory: str, want_build: int) -> str:
     incomplete set is pinned) or "absent"."""
     if not os.path.isdir(directory):
         return "absent"
-    needed = [*_abi.SOCK_PROGRAMS.values(), *_abi.SOCK_MAP_NAMES]
+    needed = [*abi.SOCK_PROGRAMS.values(), *abi.SOCK_MAP_NAMES]
     if any(not os.path.exists(os.path.join(directory, n)) for n in needed):
         return "replace"
     try:
         with SockMaps(directory) as maps:
-            abi, build = maps.meta_info()
+            have_abi, build = maps.meta_info()
     except DataplaneError:
         return "replace"
-    return "adopt" if (abi, build) == (_abi.ABI_VERSION, want_build) else "replace"
+    return "adopt" if (have_abi, build) == (abi.ABI_VERSION, want_build) else "replace"
 
 
 # ------------------------------------------------------------------ attach
@@ -161,14 +161,14 @@ class Attachment:
         except OSError as e:
             raise DataplaneError(e.errno or errno.ENOENT, f"open cgroup {cgroup_path}: {e}") from e
         try:
-            for name in (*_abi.SOCK_PROGRAMS.values(), "sock_hash"):
+            for name in (*abi.SOCK_PROGRAMS.values(), "sock_hash"):
                 self.fds[name] = _bpf.obj_get(os.path.join(directory, name))
         except BaseException:
             self.close()
             raise
-        self.ops = self.fds[_abi.SOCK_PROGRAMS["sockops"]]
-        self.msg = self.fds[_abi.SOCK_PROGRAMS["sk_msg"]]
-        self.ids = {k: int(_bpf.prog_info(self.fds[v]).id) for k, v in _abi.SOCK_PROGRAMS.items()}
+        self.ops = self.fds[abi.SOCK_PROGRAMS["sockops"]]
+        self.msg = self.fds[abi.SOCK_PROGRAMS["sk_msg"]]
+        self.ids = {k: int(_bpf.prog_info(self.fds[v]).id) for k, v in abi.SOCK_PROGRAMS.items()}
 
     def close(self) -> None:
         for fd in self.fds.values():

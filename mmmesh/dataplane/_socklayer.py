@@ -25,15 +25,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmmesh import abi as _abi
+from mmmesh import abi
 from mmmesh.errors import DataplaneError
 
 from . import _pins, _sock
 from ._bpf import count_by_next_key
 
-_ROLES = {_abi.SOCK_ROLE_CLIENT: "client", _abi.SOCK_ROLE_SERVER: "server"}
-_FLAGS = {_abi.SOCK_F_SENT_TCP: "sent_tcp", _abi.SOCK_F_LOST: "unaligned",
-          _abi.SOCK_F_LEAD: "lead"}
+_ROLES = {abi.SOCK_ROLE_CLIENT: "client", abi.SOCK_ROLE_SERVER: "server"}
+_FLAGS = {abi.SOCK_F_SENT_TCP: "sent_tcp", abi.SOCK_F_LOST: "unaligned",
+          abi.SOCK_F_LEAD: "lead"}
 
 
 @dataclass(frozen=True, order=True)
@@ -48,15 +48,15 @@ class Endpoint:
     stage: int
     replica: int = 0
 
-    def key(self) -> _abi.SockEpKey:
+    def key(self) -> abi.SockEpKey:
         if not 0 <= self.port <= 0xFFFF:
             raise DataplaneError(errno.EINVAL, f"endpoint port {self.port} out of range")
         if not 0 <= self.stage <= 0xFFFFFFFF:
             raise DataplaneError(errno.EINVAL, f"endpoint stage {self.stage} out of range")
-        if not 0 <= self.replica < _abi.SOCK_MAX_REPLICAS:
+        if not 0 <= self.replica < abi.SOCK_MAX_REPLICAS:
             raise DataplaneError(errno.EINVAL, f"endpoint replica {self.replica} not in "
-                                 f"0..{_abi.SOCK_MAX_REPLICAS - 1}")
-        k = _abi.SockEpKey(port=self.port)
+                                 f"0..{abi.SOCK_MAX_REPLICAS - 1}")
+        k = abi.SockEpKey(port=self.port)
         k.addr[:] = addr16(self.addr)
         return k
 
@@ -154,9 +154,9 @@ class SocketStatus:
 
 
 def _flags_for(register: bool, redirect: bool, all_sockets: bool) -> int:
-    return ((_abi.SOCK_CFG_REGISTER if register else 0)
-            | (_abi.SOCK_CFG_REDIRECT if redirect else 0)
-            | (_abi.SOCK_CFG_ALL if all_sockets else 0))
+    return ((abi.SOCK_CFG_REGISTER if register else 0)
+            | (abi.SOCK_CFG_REDIRECT if redirect else 0)
+            | (abi.SOCK_CFG_ALL if all_sockets else 0))
 
 
 class SocketLayer:
@@ -231,8 +231,8 @@ class SocketLayer:
         order guard), so switching back on takes effect for new connections."""
         with _sock.SockMaps(self.pin_dir) as maps:
             f = maps.flags()
-            maps.write_flags((f | _abi.SOCK_CFG_REDIRECT) if on else
-                             (f & ~_abi.SOCK_CFG_REDIRECT))
+            maps.write_flags((f | abi.SOCK_CFG_REDIRECT) if on else
+                             (f & ~abi.SOCK_CFG_REDIRECT))
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
         """Replaces the set of mesh endpoints (applies to sockets established
@@ -246,13 +246,13 @@ class SocketLayer:
         weight), 0..65535 each.  All zero (or empty): the stage is not
         weighted (each socket sends to its own peer)."""
         vals = dict(enumerate(weights)) if not isinstance(weights, Mapping) else dict(weights)
-        w = _abi.SockWeights()
+        w = abi.SockWeights()
         for r, v in vals.items():
-            if not 0 <= r < _abi.SOCK_MAX_REPLICAS:
+            if not 0 <= r < abi.SOCK_MAX_REPLICAS:
                 raise DataplaneError(errno.EINVAL, f"replica {r} not in "
-                                     f"0..{_abi.SOCK_MAX_REPLICAS - 1}")
-            if not 0 <= int(v) <= _abi.SOCK_MAX_WEIGHT:
-                raise DataplaneError(errno.EINVAL, f"weight {v} not in 0..{_abi.SOCK_MAX_WEIGHT}")
+                                     f"0..{abi.SOCK_MAX_REPLICAS - 1}")
+            if not 0 <= int(v) <= abi.SOCK_MAX_WEIGHT:
+                raise DataplaneError(errno.EINVAL, f"weight {v} not in 0..{abi.SOCK_MAX_WEIGHT}")
             w.w[r] = int(v)
         with _sock.SockMaps(self.pin_dir) as maps:
             if any(w.w):
@@ -306,16 +306,16 @@ class SocketLayer:
         if st is None:
             return None
         mods: dict[int | str, tuple[int, int]] = {}
-        for i in range(_abi.SOCK_NR_MOD):
+        for i in range(abi.SOCK_NR_MOD):
             c = st.mod[i]
             if c.frames or c.bytes:
-                mods[i if i < _abi.SOCK_NR_MOD - 1 else "other"] = (int(c.frames), int(c.bytes))
+                mods[i if i < abi.SOCK_NR_MOD - 1 else "other"] = (int(c.frames), int(c.bytes))
         return SocketState(
             cookie=int(st.cookie), netns=int(st.netns), role=_ROLES.get(int(st.role), "?"),
             stage=int(st.stage), replica=int(st.replica), peer_stage=int(st.peer_stage),
             weight=int(st.weight), flags=_flag_names(int(st.flags)),
             last_modality=int(st.last_modality), last_class=int(st.last_class),
-            last_pick=None if st.last_pick == _abi.SOCK_NO_PICK else int(st.last_pick),
+            last_pick=None if st.last_pick == abi.SOCK_NO_PICK else int(st.last_pick),
             redirected=int(st.redirected), passed=int(st.passed), modalities=mods)
 
     def stats(self) -> SocketStats:
@@ -330,14 +330,14 @@ class SocketLayer:
             attached, ids = att.attached(), dict(att.ids)
         with _sock.SockMaps(self.pin_dir) as maps:
             f = maps.flags()
-            abi, _ = maps.meta_info()
+            have_abi, _ = maps.meta_info()
             n_ep, n_fl = (count_by_next_key(m.fd, ctypes.sizeof(m.key_type), m.max_entries)
                           for m in (maps.endpoints, maps.flows))
             stats = _sum_stats(maps.stats.lookup(0) or [])
         return SocketStatus(
-            self.cgroup, self.pin_dir, True, attached, ids, abi,
-            register=bool(f & _abi.SOCK_CFG_REGISTER), redirect=bool(f & _abi.SOCK_CFG_REDIRECT),
-            all_sockets=bool(f & _abi.SOCK_CFG_ALL), endpoints=n_ep, weights=self.weights(),
+            self.cgroup, self.pin_dir, True, attached, ids, have_abi,
+            register=bool(f & abi.SOCK_CFG_REGISTER), redirect=bool(f & abi.SOCK_CFG_REDIRECT),
+            all_sockets=bool(f & abi.SOCK_CFG_ALL), endpoints=n_ep, weights=self.weights(),
             flows=n_fl, stats=stats)
 
 
@@ -368,17 +368,17 @@ class _OldLayer:
                 x.close()
 
 
-def _write_endpoints(maps: _sock.SockMaps, wanted: list[tuple[_abi.SockEpKey, Endpoint]]) -> None:
+def _write_endpoints(maps: _sock.SockMaps, wanted: list[tuple[abi.SockEpKey, Endpoint]]) -> None:
     keep = {bytes(k) for k, _ in wanted}
     for k in list(maps.endpoints.keys()):
         if bytes(k) not in keep:
             maps.endpoints.delete(k)
     for k, e in wanted:
-        maps.endpoints.update(k, _abi.SockEp(stage=e.stage, replica=e.replica))
+        maps.endpoints.update(k, abi.SockEp(stage=e.stage, replica=e.replica))
 
 
 def _sum_stats(percpu: Any) -> SocketStats:
-    events = {e.name.lower(): sum(int(s.events[e]) for s in percpu) for e in _abi.SockEvent}
+    events = {e.name.lower(): sum(int(s.events[e]) for s in percpu) for e in abi.SockEvent}
 
     def per(attr: str, n: int) -> dict[int, tuple[int, int]]:
         out: dict[int, tuple[int, int]] = {}
@@ -389,4 +389,4 @@ def _sum_stats(percpu: Any) -> SocketStats:
                 out[i] = (fr, by)
         return out
 
-    return SocketStats(events, per("mod", _abi.MAX_MODALITIES), per("cls", _abi.MAX_CLASSES))
+    return SocketStats(events, per("mod", abi.MAX_MODALITIES), per("cls", abi.MAX_CLASSES))

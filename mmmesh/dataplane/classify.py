@@ -13,7 +13,7 @@ import errno
 from dataclasses import asdict, dataclass
 from typing import Any, Self
 
-from mmmesh import abi as _abi
+from mmmesh import abi
 from mmmesh.errors import DataplaneError
 from mmmesh.policy.overrides import OverrideEntry, Overrides
 
@@ -62,10 +62,10 @@ class Verdict:
 def _modality(value: int) -> str | int | None:
     """cb's modality as ``classify`` reports it: like ``mmmesh wire decode``, the
     name of a known modality and the number of an unknown one."""
-    if value == _abi.NO_MODALITY:
+    if value == abi.NO_MODALITY:
         return None
     try:
-        return _abi.Modality(value).name.lower()
+        return abi.Modality(value).name.lower()
     except ValueError:
         return value
 
@@ -123,9 +123,9 @@ class Classifier:
             )
         res = _bpf.prog_test_run(self.prog_fd(direction), frame, repeat=repeat)
         cb = res.ctx.cb
-        reason = _abi.Reason(cb[_abi.CB_REASON]).name.lower()
-        cid = int(cb[_abi.CB_CLASS])
-        flags = int(cb[_abi.CB_FLAGS])
+        reason = abi.Reason(cb[abi.CB_REASON]).name.lower()
+        cid = int(cb[abi.CB_CLASS])
+        flags = int(cb[abi.CB_FLAGS])
         prio = int(res.ctx.priority)
         return Verdict(
             verdict=TC_ACT_NAMES.get(res.retval, str(res.retval)),
@@ -134,12 +134,12 @@ class Classifier:
             classid=f"{prio >> 16:x}:{prio & 0xFFFF:x}" if prio else None,
             class_id=cid,
             class_=self._names.get(cid),
-            modality=_modality(int(cb[_abi.CB_MODALITY])),
+            modality=_modality(int(cb[abi.CB_MODALITY])),
             reason=reason,
-            clamped=bool(flags & _abi.CBF_CLAMPED),
-            flow_learnt=bool(flags & _abi.CBF_FLOW_LEARNT),
-            dscp_rewritten=bool(flags & _abi.CBF_DSCP),
+            clamped=bool(flags & abi.CBF_CLAMPED),
+            flow_learnt=bool(flags & abi.CBF_FLOW_LEARNT),
+            dscp_rewritten=bool(flags & abi.CBF_DSCP),
             duration_ns=res.duration_ns,
             packet=res.data,
-            boosted=bool(flags & _abi.CBF_BOOSTED),
+            boosted=bool(flags & abi.CBF_BOOSTED),
         )

@@ -7,7 +7,7 @@ import ctypes
 import socket
 import time
 
-from mmmesh import abi as _abi
+from mmmesh import abi
 
 from . import _bpf
 from ._bpf import TestRunResult
@@ -22,15 +22,15 @@ def fill_flows(dp: Dataplane, n: int, class_ids: list[int], dst: str = "10.77.0.
     daddr = bytes([0] * 10 + [0xFF, 0xFF]) + socket.inet_aton(dst)
     with Maps.open_pinned(dp.pin_dir) as maps:
         for i in range(n):
-            k = _abi.FlowKey()
+            k = abi.FlowKey()
             src = bytes([0] * 10 + [0xFF, 0xFF, 10, 200, (i >> 8) & 0xFF, i & 0xFF])
             ctypes.memmove(k.saddr, src, 16)
             ctypes.memmove(k.daddr, daddr, 16)
             k.sport = socket.htons(1024 + (i % 60000))
             k.dport = socket.htons(7000 + i // 60000)
             k.proto = socket.IPPROTO_TCP
-            k.dir = _abi.DIR_EGRESS
-            v = _abi.FlowInfo(last_seen_ns=now, packets=i + 1, bytes=(i + 1) * 1400,
+            k.dir = abi.DIR_EGRESS
+            v = abi.FlowInfo(last_seen_ns=now, packets=i + 1, bytes=(i + 1) * 1400,
                               class_id=class_ids[i % len(class_ids)], modality=4)
             maps.flows.update(k, v)
 

@@ -20,7 +20,7 @@ from scapy.layers.inet import IP, TCP, UDP  # noqa: E402
 from scapy.layers.l2 import Ether  # noqa: E402
 from scapy.packet import Raw  # noqa: E402
 
-from mmmesh import abi as _abi  # noqa: E402
+from mmmesh import abi  # noqa: E402
 from mmmesh.dataplane import Boost, FlowOverride, Overrides, StageOverride  # noqa: E402
 from mmmesh.dataplane._compile import (  # noqa: E402
     MIN_RATE_BPS,
@@ -140,8 +140,8 @@ def test_boost_leaves_split_the_class_and_never_collide() -> None:
     assert spec is not None
     boosts = [BoostLeaf(VOICE.id, 1, 6, VOICE.priority), BoostLeaf(VOICE.id, 2, 9, 0)]
     out = {x.classid: x for x in boosted_spec(spec, boosts).leaves}
-    mine = [out[VOICE.classid], out[_abi.boost_classid(VOICE.id, 1)],
-            out[_abi.boost_classid(VOICE.id, 2)]]
+    mine = [out[VOICE.classid], out[abi.boost_classid(VOICE.id, 1)],
+            out[abi.boost_classid(VOICE.id, 2)]]
     assert [hex(x.classid) for x in mine] == ["0x1000b", "0x1004b", "0x1008b"]
     assert sum(x.rate_bps for x in mine) == int(VOICE.rate)  # the class's guarantee, split
     assert [x.rate_bps for x in mine] == [200_000, 400_000, 600_000]  # by weight 3 : 6 : 9
@@ -157,7 +157,7 @@ def test_boost_leaves_split_the_class_and_never_collide() -> None:
     assert sum(x.ceil_bps for x in vid) <= 200_000_000 and len(vid) == 2
     assert all(x.rate_bps <= x.ceil_bps for x in vid)
     # boost minors are 0x41..0xff: never a policy id (1..63) nor the link class 1:40
-    ids = {_abi.boost_classid(c, lvl) & 0xFFFF for c in range(1, 64) for lvl in (1, 2, 3)}
+    ids = {abi.boost_classid(c, lvl) & 0xFFFF for c in range(1, 64) for lvl in (1, 2, 3)}
     assert min(ids) == 0x41 and max(ids) == 0xFF and 0x40 not in ids
     assert boost_class(0x10040) is None and boost_class(0x1000b) is None
     assert boost_class(0x100cb) == VOICE.id
@@ -193,7 +193,7 @@ def clf() -> Iterator[object]:
 
 
 def boost(cls_id: int, level: int) -> int:
-    return _abi.boost_classid(cls_id, level)
+    return abi.boost_classid(cls_id, level)
 
 
 def test_stage_override_applies_to_the_stage_and_its_class_only(clf: object) -> None:

@@ -249,7 +249,7 @@ def test_real_scrape_passes_promtool(dataplane: dict[str, Any]) -> None:
 
 def test_flow_table_count_in_many_batches(dataplane: dict[str, Any]) -> None:
     """More entries than one batch holds: the count and the per-class split stay exact."""
-    from mmmesh import abi as _abi
+    from mmmesh import abi
     from mmmesh.dataplane import Dataplane
     from mmmesh.dataplane._bpf import count_by_next_key, count_map_entries
     from mmmesh.dataplane._maps import Maps
@@ -259,14 +259,14 @@ def test_flow_table_count_in_many_batches(dataplane: dict[str, Any]) -> None:
     keys = []
     try:
         fm = maps.flows
-        ksz, vsz = ctypes.sizeof(_abi.FlowKey), ctypes.sizeof(_abi.FlowInfo)
-        off = _abi.FlowInfo.class_id.offset
+        ksz, vsz = ctypes.sizeof(abi.FlowKey), ctypes.sizeof(abi.FlowInfo)
+        off = abi.FlowInfo.class_id.offset
         before, by_before = count_map_entries(fm.fd, ksz, vsz, fm.max_entries, off)
         assert by_before is not None
         for i in range(300):
-            k = _abi.FlowKey(sport=socket.htons(20000 + i), dport=socket.htons(9), proto=6)
+            k = abi.FlowKey(sport=socket.htons(20000 + i), dport=socket.htons(9), proto=6)
             k.saddr[10:16] = [0xFF, 0xFF, 10, 201, i >> 8, i & 0xFF]
-            fm.update(k, _abi.FlowInfo(packets=1, class_id=13 if i % 3 else 12))
+            fm.update(k, abi.FlowInfo(packets=1, class_id=13 if i % 3 else 12))
             keys.append(k)
         for chunk in (7, 64, 4096):
             n, by = count_map_entries(fm.fd, ksz, vsz, fm.max_entries, off, chunk=chunk)
@@ -477,13 +477,13 @@ def test_build_info_and_process_metrics() -> None:
     import importlib.metadata
     import platform
 
-    from mmmesh import abi as _abi
+    from mmmesh import abi
 
     registry, _ = make_registry([], node="node-a")
     s = scrape(registry)
     (labels,) = [dict(lab) for n, lab in s if n == "mmmesh_build_info"]
     assert labels["version"] == importlib.metadata.version("mmmesh")
-    assert labels["abi"] == str(_abi.ABI_VERSION)
+    assert labels["abi"] == str(abi.ABI_VERSION)
     assert re.fullmatch(r"[0-9a-f]{16}", labels["bpf_build"])
     assert labels["python"] == platform.python_version() and labels["node"] == "node-a"
     assert value(s, "mmmesh_build_info", **labels) == 1
