@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import tempfile
 import threading
@@ -394,24 +395,40 @@ def test_watchdog_pings_while_the_loop_is_busy_and_stops_when_it_is_blocked(
     assert ready.wait(5) and wait_for(lambda: server.started)
     dog.start()
     try:
+        # the rate the dog pings at when the loop is idle, on this host, now:
+        # what the flood is compared with (a busy host slows both alike)
+        assert wait_for(lambda: len(pings) >= 3, 30)
+        t0, n0 = time.monotonic(), len(pings)
+        time.sleep(1.5)
+        idle_rate = (len(pings) - n0) / (time.monotonic() - t0)
         flood = start_flood(path, 2000, 3)
-        time.sleep(0.5)
-        n0 = len(pings)
-        time.sleep(2.0)
-        busy_pings = len(pings) - n0
-        assert server.stats["header_timeout"] > 64  # the loop was busy with the flood
-        assert busy_pings >= 15, busy_pings  # ~20 expected at 0.1 s
-        flood.communicate(timeout=30)
-        # block the loop for 1.5 s: pings stop once the last beat is stale
-        blocked_at = time.monotonic()
-        loop.call_soon_threadsafe(time.sleep, 1.5)
-        time.sleep(1.6)
-        assert not [t for t in pings if blocked_at + 0.3 < t < blocked_at + 1.5], (
-            [round(t - blocked_at, 2) for t in pings if t > blocked_at])
-        assert dog.skipped >= 8
-        n1 = len(pings)
-        time.sleep(0.5)
-        assert len(pings) >= n1 + 3  # alive again: pings again
+        assert wait_for(lambda: server.stats["header_timeout"] > 0, 30)
+        t1, n1 = time.monotonic(), len(pings)
+        time.sleep(1.5)
+        busy_rate = (len(pings) - n1) / (time.monotonic() - t1)
+        held = server.stats["header_timeout"]
+        flood.communicate(timeout=60)
+        assert held > 64  # the loop was busy with the flood while the rate was taken
+        # a flooded loop still beats: the dog keeps pinging at most of its idle rate
+        assert busy_rate >= 0.5 * idle_rate, (busy_rate, idle_rate)
+        # block the loop for 1.5 s: no ping once the last beat is stale (0.1 s;
+        # 0.6 s leaves a busy host time to deliver a ping decided before), and
+        # the block's own start time, whenever the loop gets to it
+        started: list[float] = []
+
+        def block() -> None:
+            started.append(time.monotonic())
+            time.sleep(1.5)
+
+        skipped0 = dog.skipped
+        loop.call_soon_threadsafe(block)
+        assert wait_for(lambda: started and time.monotonic() > started[0] + 1.6, 30)
+        at = started[0]
+        assert not [t for t in pings if at + 0.6 < t < at + 1.5], (
+            [round(t - at, 2) for t in pings if t > at])
+        assert dog.skipped > skipped0  # it noticed, and held its pings back
+        n2 = len(pings)
+        assert wait_for(lambda: len(pings) >= n2 + 3, 30)  # alive again: pings again
     finally:
         dog.stop()
         server.stop()
@@ -424,36 +441,54 @@ def test_watchdog_pings_while_the_loop_is_busy_and_stops_when_it_is_blocked(
 # --------------------------------------------------------------------------
 def test_real_qosd_under_a_slow_flood_from_an_unprivileged_process() -> None:
     """2,000 slow connections at once on sla.sock from uid 65534: qosd's
-    descriptors stay within the cap, the admin socket answers within 1 s, the
-    log stays short, the watchdog keeps being pinged."""
+    descriptors stay within the cap, the admin socket keeps answering about as
+    fast as it does unflooded (same run), the log stays short, the watchdog
+    keeps being pinged at about its unflooded rate."""
     require_root()
     target = Target.start(nofile=1024, watchdog_usec=1_000_000)  # pings every 0.5 s
     try:
         base_fds, base_lines = target.fds(), target.log_lines()
+        # this host, now, unflooded: the admin socket's latency and the ping rate
+        idle: list[float] = []
         target.notifications()
+        t_idle = time.monotonic()
+        for _ in range(8):
+            t0 = time.monotonic()
+            assert request(target.api_socket, timeout=30) == 200
+            idle.append(time.monotonic() - t0)
+            time.sleep(0.4)
+        idle_pings = sum("WATCHDOG=1" in m for m in target.notifications())
+        idle_rate = idle_pings / (time.monotonic() - t_idle)
         latencies: list[float] = []
         with Sampler(target).running() as sampler:
             flood = start_flood(target.sla_socket, 2000, 12)
             time.sleep(1.0)
+            target.notifications()
+            t_busy = time.monotonic()
             for _ in range(20):
                 t0 = time.monotonic()
-                assert request(target.api_socket, timeout=5) == 200
+                assert request(target.api_socket, timeout=30) == 200
                 latencies.append(time.monotonic() - t0)
                 time.sleep(0.4)
-            out, _ = flood.communicate(timeout=60)
+            busy_rate = (sum("WATCHDOG=1" in m for m in target.notifications())
+                         / (time.monotonic() - t_busy))
+            out, _ = flood.communicate(timeout=120)
         summary = json.loads(out)
-        pings = sum("WATCHDOG=1" in m for m in target.notifications())
         # the flood was real: it held the cap, and was cut by the header timeout
         assert summary["max_held"] >= SLA_MAX_CONNECTIONS, summary
         assert summary["answers"].get("408", 0) >= 2 * SLA_MAX_CONNECTIONS, summary
         assert max(sampler.fds) <= base_fds + SLA_MAX_CONNECTIONS + 4, (
             base_fds, max(sampler.fds))
-        assert max(latencies) < 1.0, latencies
-        assert pings >= 15, pings
+        # the admin socket is not starved: its median under the flood stays
+        # within a few times the unflooded one (plus one scheduling slice)
+        assert statistics.median(latencies) <= 5 * statistics.median(idle) + 0.1, (
+            latencies, idle)
+        assert idle_pings >= 3, idle_pings
+        assert busy_rate >= 0.5 * idle_rate, (busy_rate, idle_rate)
         assert target.log_lines() - base_lines <= 20, target.log.read_text()[-3000:]
         # and afterwards all is as before
         assert request(target.sla_socket, "POST", "/v1/sla", SLA_REPORT) == 200
-        assert wait_for(lambda: target.fds() <= base_fds, 10), (base_fds, target.fds())
+        assert wait_for(lambda: target.fds() <= base_fds, 30), (base_fds, target.fds())
     finally:
         target.stop()
 
