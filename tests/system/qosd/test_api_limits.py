@@ -140,7 +140,8 @@ def test_slow_headers_are_cut_at_the_header_timeout(tmp_path: Path) -> None:
         took = time.monotonic() - t0
         assert answer.startswith(b"HTTP/1.1 408 "), answer
         assert b'"error": "timeout"' in answer and b"connection: close" in answer
-        assert 0.4 <= took < 1.5, took
+        # cut at ~0.5 s; a deadline each trickled byte extended would never cut it
+        assert 0.4 <= took < 4, took
         assert closed_within(s, 2)
         # a connection that sends nothing is closed without an answer
         quiet = connect(tmp_path / "s.sock")
