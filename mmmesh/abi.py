@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 # Bump when a map layout, map set, or program section changes incompatibly.
 # A pinned dataplane with another ABI version is replaced, never adopted.
-ABI_VERSION = 3  # 3: per-flow and per-stage overrides (boost leaves), FlowInfo.boost
+ABI_VERSION = 4  # 3: per-flow and per-stage overrides (boost leaves), FlowInfo.boost;
+#                 4: egress mode fq (ClassInfo/BoostInfo pacing fields, pace_map, CFG_PACING)
 
 # --------------------------------------------------------------------------
 # Wire format (MMH v1), see docs/wire-format.md
@@ -162,16 +163,20 @@ NO_MODALITY = 0x100  # cb[2] when no header or flow gave one (outside the byte: 
 CB_REASON = 0  # primary reason
 CB_CLASS = 1  # class id chosen (0 = none)
 CB_MODALITY = 2  # modality byte of the header or NO_MODALITY
-CB_FLAGS = 3  # bit0 clamped, bit1 flow learnt/updated, bit2 dscp rewritten, bit3 boosted
+CB_FLAGS = 3  # bit0 clamped, bit1 flow learnt/updated, bit2 dscp rewritten, bit3 boosted,
+#              bit4 paced, bit5 past the pacing horizon (egress mode fq)
 CBF_CLAMPED = 0x1
 CBF_FLOW_LEARNT = 0x2
 CBF_DSCP = 0x4
 CBF_BOOSTED = 0x8  # an override put the packet in a boost leaf of its class
+CBF_PACED = 0x10  # egress mode fq: the class's pacer gave the packet a departure time
+CBF_OVER_HORIZON = 0x20  # ... past the class's horizon: stamped for the qdisc to drop
 
 CFG_HAS_SRC_RULES = 0x1
 CFG_STAGE_OVERRIDES = 0x2  # stage_ovr_map has entries: look senders up
 CFG_FLOW_OVERRIDES = 0x4  # flow_ovr_map has entries: look flows up
 CFG_OVERRIDES = CFG_STAGE_OVERRIDES | CFG_FLOW_OVERRIDES  # written by set_overrides, kept by up
+CFG_PACING = 0x8  # egress mode fq: some class or boost has a pacing rate (EDT)
 
 # Overrides (docs/dataplane.md, "Per-flow and per-stage overrides"): a
 # class may have up to MAX_BOOSTS extra HTB leaves, "boost leaves", beside its
@@ -183,6 +188,32 @@ BOOST_MINOR_STEP = MAX_CLASSES  # 0x40
 BOOST_SLOTS = MAX_BOOSTS * MAX_CLASSES  # boost_map: key (level - 1) * MAX_CLASSES + class id
 DEFAULT_MAX_STAGE_OVERRIDES = 1024  # stage_ovr_map size (cflag MM_MAX_STAGE_OVR)
 DEFAULT_MAX_FLOW_OVERRIDES = 4096  # flow_ovr_map size (cflag MM_MAX_FLOW_OVR)
+
+
+# Egress mode fq (docs/dataplane.md, "Egress modes"): no HTB.  A root mq
+# with one sch_fq per TX queue (a single-queue device: one root sch_fq);
+# the classifier writes skb->priority = FQ_PRIO_BASE + band, and the fq
+# qdiscs' priomap sends slot FQ_PRIO_BASE + b to band b (every other slot to
+# the default class's band); a class with a ceil below the link gets an EDT
+# departure time from its pacer (pace_map).
+FQ_BANDS = 3  # sch_fq's bands (include/uapi/linux/pkt_sched.h FQ_BANDS)
+FQ_PRIO_SLOTS = 16  # sch_fq's priomap: skb->priority & 15 (TC_PRIO_MAX + 1)
+FQ_PRIO_BASE = 13  # priomap slots 13, 14, 15 = bands 0, 1, 2 (no TC_PRIO_* name uses them)
+FQ_MIN_WEIGHT = 16384  # the smallest band weight sch_fq accepts (bytes per WRR round)
+FQ_ROOT_MAJOR = 0x4D4D  # handle 4d4d: of the mq (or single fq) root mmmesh makes
+FQ_CHILD_MAJOR = 0x4E00  # handle (4e00 + queue): of the fq under mq class 4d4d:<queue + 1>
+PACE_SLOTS = (MAX_BOOSTS + 1) * MAX_CLASSES  # pace_map: key level * MAX_CLASSES + class id
+PACE_MIN_HORIZON_US = 1000  # a paced class may run this far ahead of now, at least ...
+PACE_MAX_HORIZON_US = 1_000_000  # ... and at most (the rest: LEAF_LIMIT frames at its rate)
+FQ_HORIZON_US = 2_000_000  # sch_fq's horizon (drops beyond): above every class's horizon
+PACE_DROP_NS = 2 * FQ_HORIZON_US * 1000  # a frame past its class's horizon departs now + this:
+#                                          beyond sch_fq's horizon, which drops it
+NSEC_PER_SEC = 1_000_000_000
+
+
+def pace_slot(class_id: int, level: int = 0) -> int:
+    """The pace_map key of class ``class_id`` (level 0) or of its boost ``level``."""
+    return level * MAX_CLASSES + class_id
 
 
 def boost_classid(class_id: int, level: int) -> int:
@@ -202,11 +233,14 @@ class ClassInfo(ctypes.Structure):
     """class_map value (ARRAY[MAX_CLASSES], key = class id)."""
 
     _fields_ = [
-        ("classid", ctypes.c_uint32),  # HTB handle written to skb->priority
+        ("classid", ctypes.c_uint32),  # skb->priority: the HTB class id; fq: FQ_PRIO_BASE + band
         ("valid", ctypes.c_uint8),
         ("rank", ctypes.c_uint8),  # 0 = most privileged
         ("dscp", ctypes.c_uint8),  # 0..63 or DSCP_KEEP
         ("pad", ctypes.c_uint8),
+        ("horizon_us", ctypes.c_uint32),  # fq: how far its pacer may run ahead of now
+        ("pad2", ctypes.c_uint32),
+        ("pace_Bps", ctypes.c_uint64),  # fq: pacing rate, bytes/s (its ceil); 0 = not paced
     ]
 
 
@@ -319,11 +353,15 @@ class BoostInfo(ctypes.Structure):
     """boost_map value (ARRAY[BOOST_SLOTS], key = boost_slot(class, level))."""
 
     _fields_ = [
-        ("classid", ctypes.c_uint32),  # the boost leaf's HTB class id (boost_classid)
+        ("classid", ctypes.c_uint32),  # skb->priority: the boost leaf's HTB class id
+        #                                (boost_classid); fq: FQ_PRIO_BASE + the boost's band
         ("valid", ctypes.c_uint8),  # the leaf exists; overrides may point at it
         ("weight", ctypes.c_uint8),  # the leaf's weight and prio (user space reads them back)
         ("prio", ctypes.c_uint8),
         ("pad", ctypes.c_uint8),
+        ("horizon_us", ctypes.c_uint32),  # fq: as ClassInfo's, for the boost's own pacer
+        ("pad2", ctypes.c_uint32),
+        ("pace_Bps", ctypes.c_uint64),  # fq: the boost's share of its class's ceil; 0: none
     ]
 
 
@@ -347,6 +385,16 @@ class OvrInfo(ctypes.Structure):
         ("class_id", ctypes.c_uint8),  # the class it boosts (another class: no effect)
         ("level", ctypes.c_uint8),  # 1..MAX_BOOSTS
         ("pad", ctypes.c_uint8 * 6),
+    ]
+
+
+class PaceState(ctypes.Structure):
+    """pace_map value (ARRAY[PACE_SLOTS], key = pace_slot(class, level)): one
+    pacer's clock, written by the classifier only (user space reads it)."""
+
+    _fields_ = [
+        ("next_ns", ctypes.c_uint64),  # bpf_ktime_get_ns(): where the pacer's next frame starts
+        ("over_horizon", ctypes.c_uint64),  # frames stamped for the qdisc to drop (approximate)
     ]
 
 
@@ -398,6 +446,7 @@ STRUCTS: list[tuple[str, type[ctypes.Structure]]] = [
     ("mm_boost_info", BoostInfo),
     ("mm_stage_ovr_key", StageOvrKey),
     ("mm_ovr_info", OvrInfo),
+    ("mm_pace_state", PaceState),
     ("mm_tlv_out", TlvOut),
     ("mm_scratch", Scratch),
 ]
@@ -448,6 +497,8 @@ MAPS: tuple[MapDef, ...] = (
            "Overrides: (class, sender prefix) -> boost level, hits.", no_prealloc=True),
     MapDef("flow_ovr_map", "hash", FlowKey, OvrInfo, "MM_MAX_FLOW_OVR",
            "Overrides: egress flow (5-tuple) -> class, boost level, hits."),
+    MapDef("pace_map", "array", ctypes.c_uint32, PaceState, "MM_PACE_SLOTS",
+           "Egress mode fq: (level, class) -> its pacer's clock (EDT; the classifier's)."),
 )
 MAP_NAMES: tuple[str, ...] = tuple(m.name for m in MAPS)
 MAP_LAYOUTS: dict[str, tuple[CType, CType]] = {m.name: (m.key, m.value) for m in MAPS}
@@ -494,11 +545,17 @@ def constants() -> dict[str, int]:
         "MM_CBF_FLOW_LEARNT": CBF_FLOW_LEARNT,
         "MM_CBF_DSCP": CBF_DSCP,
         "MM_CBF_BOOSTED": CBF_BOOSTED,
+        "MM_CBF_PACED": CBF_PACED,
+        "MM_CBF_OVER_HORIZON": CBF_OVER_HORIZON,
         "MM_CFG_HAS_SRC_RULES": CFG_HAS_SRC_RULES,
         "MM_CFG_STAGE_OVERRIDES": CFG_STAGE_OVERRIDES,
         "MM_CFG_FLOW_OVERRIDES": CFG_FLOW_OVERRIDES,
+        "MM_CFG_PACING": CFG_PACING,
         "MM_MAX_BOOSTS": MAX_BOOSTS,
         "MM_BOOST_SLOTS": BOOST_SLOTS,
+        "MM_PACE_SLOTS": PACE_SLOTS,
+        "MM_PACE_DROP_NS": PACE_DROP_NS,
+        "MM_NSEC_PER_SEC": NSEC_PER_SEC,
         "MM_TLV_FIXED_UNSET": 0xFF,
         "MM_SCRATCH_SIZE": MM_SCRATCH_SIZE,
     }

@@ -295,6 +295,23 @@ class SocketLayerConfig(BaseModel):
         return self
 
 
+class EgressConfig(BaseModel):
+    """``egress:``: how this node's uplink realises the policy's classes
+    (docs/dataplane.md "Egress modes"; docs/operations.md "Egress modes").
+
+    ``htb``: one root HTB (hard guarantees; one qdisc lock for every TX
+    queue); ``fq``: mq with one sch_fq per TX queue, priority bands and EDT
+    pacing per class (no root lock; guarantees per band); ``auto``: fq when
+    the device has more than one TX queue and the kernel has sch_fq with
+    priority bands (Linux >= 6.7), else htb."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["auto", "htb", "fq"] = Field(
+        default="auto", description="auto | htb | fq; auto: fq on a multiqueue device whose "
+        "kernel has sch_fq bands, else htb")
+
+
 class QosdConfig(BaseSettings):
     """Everything qosd needs to know about its node."""
 
@@ -353,6 +370,9 @@ class QosdConfig(BaseSettings):
     socket_layer: SocketLayerConfig = Field(
         default_factory=SocketLayerConfig, description="the stages of this node and the socket "
         "layer (sockops + sk_msg; off by default; docs/socklayer.md \"qosd\")")
+    egress: EgressConfig = Field(
+        default_factory=EgressConfig, description="the uplink's egress mode: auto (default), "
+        "htb or fq (docs/dataplane.md \"Egress modes\")")
 
     @model_validator(mode="after")
     def _one_backend(self) -> QosdConfig:

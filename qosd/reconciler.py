@@ -53,6 +53,7 @@ class Reconciler:
         self._device: str | None = None  # device the last good version is on
         self._on_result = on_result
         self._on_adoption = on_adoption
+        self._left_out: list[str] = []  # overrides the egress mode cannot realise (logged once)
 
     @property
     def last_good(self) -> PolicyVersion | None:
@@ -81,13 +82,20 @@ class Reconciler:
         the kernel holds another set (True), left when it holds this one
         (False); None when ``version`` is not the last good one.  Boosts are
         checked against the version's own policy (its adapt ranges) and split
-        the classes as the kernel holds them (``kernel_policy``)."""
+        the classes as the kernel holds them (``kernel_policy``).  Those the
+        egress mode cannot realise (fq: a boost that changes nothing there,
+        ``Dataplane.realisable``) are left out, and logged when they change."""
         with self._lock:
             good = self._last_good
             if good is None or good.version != version:
                 return None
             dp = self.dataplane(good.policy.link.device)
             applied = self.kernel_policy(good)
+            overrides, left_out = dp.realisable(overrides, applied)
+            if left_out and left_out != self._left_out:
+                log.info("egress mode %s: overrides left out: %s", dp.egress_mode(),
+                         "; ".join(left_out))
+            self._left_out = left_out
             have = {override_key(e.override) for e in dp.overrides(applied)}
             want = ({override_key(o) for o in overrides.stages}
                     | {override_key(o) for o in overrides.flows})
@@ -97,7 +105,7 @@ class Reconciler:
             return True
 
     def dataplane(self, device: str) -> Dataplane:
-        return Dataplane(device, self.cfg.netns)
+        return Dataplane(device, self.cfg.netns, egress=self.cfg.egress.mode)
 
     # ------------------------------------------------------------ checks
     def check_realizable(self, policy: Policy) -> None:
@@ -114,6 +122,12 @@ class Reconciler:
                     errors.append(("link.device", f"no device {dev!r} on this node{where}"))
             except DataplaneError as e:
                 errors.append(("link.device", str(e)))
+            else:
+                if not errors:  # what this device's egress mode cannot realise, field named
+                    try:
+                        errors += self.dataplane(dev).check(policy)
+                    except DataplaneError as e:
+                        errors.append(("link.device", str(e)))
         total = sum(int(c.rate) for c in policy.classes)
         if total > int(policy.link.rate):  # the schema refuses this too; be sure
             errors.append(("classes", (f"guarantees {total} bit/s exceed the link "

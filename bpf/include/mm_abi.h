@@ -6,7 +6,7 @@
 #ifndef MM_ABI_H
 #define MM_ABI_H
 
-#define MM_ABI_VERSION 3
+#define MM_ABI_VERSION 4
 #define MM_MAGIC_V1 0x4d4d4801
 #define MM_MAGIC_U24 0x4d4d48
 #define MM_VERSION 1
@@ -41,11 +41,17 @@
 #define MM_CBF_FLOW_LEARNT 2
 #define MM_CBF_DSCP 4
 #define MM_CBF_BOOSTED 8
+#define MM_CBF_PACED 0x10
+#define MM_CBF_OVER_HORIZON 0x20
 #define MM_CFG_HAS_SRC_RULES 1
 #define MM_CFG_STAGE_OVERRIDES 2
 #define MM_CFG_FLOW_OVERRIDES 4
+#define MM_CFG_PACING 8
 #define MM_MAX_BOOSTS 3
 #define MM_BOOST_SLOTS 0xc0
+#define MM_PACE_SLOTS 0x100
+#define MM_PACE_DROP_NS 0xee6b2800
+#define MM_NSEC_PER_SEC 0x3b9aca00
 #define MM_TLV_FIXED_UNSET 0xff
 #define MM_SCRATCH_SIZE 0x200
 #define MM_MOD_UNSPEC 0
@@ -153,13 +159,19 @@ struct mm_class_info {
 	__u8 rank;
 	__u8 dscp;
 	__u8 pad;
-} __attribute__((aligned(4)));
-_Static_assert(sizeof(struct mm_class_info) == 8, "mm_class_info size");
+	__u32 horizon_us;
+	__u32 pad2;
+	__u64 pace_Bps;
+} __attribute__((aligned(8)));
+_Static_assert(sizeof(struct mm_class_info) == 24, "mm_class_info size");
 _Static_assert(__builtin_offsetof(struct mm_class_info, classid) == 0, "mm_class_info.classid");
 _Static_assert(__builtin_offsetof(struct mm_class_info, valid) == 4, "mm_class_info.valid");
 _Static_assert(__builtin_offsetof(struct mm_class_info, rank) == 5, "mm_class_info.rank");
 _Static_assert(__builtin_offsetof(struct mm_class_info, dscp) == 6, "mm_class_info.dscp");
 _Static_assert(__builtin_offsetof(struct mm_class_info, pad) == 7, "mm_class_info.pad");
+_Static_assert(__builtin_offsetof(struct mm_class_info, horizon_us) == 8, "mm_class_info.horizon_us");
+_Static_assert(__builtin_offsetof(struct mm_class_info, pad2) == 12, "mm_class_info.pad2");
+_Static_assert(__builtin_offsetof(struct mm_class_info, pace_Bps) == 16, "mm_class_info.pace_Bps");
 
 struct mm_config {
 	__u32 policy_version;
@@ -291,13 +303,19 @@ struct mm_boost_info {
 	__u8 weight;
 	__u8 prio;
 	__u8 pad;
-} __attribute__((aligned(4)));
-_Static_assert(sizeof(struct mm_boost_info) == 8, "mm_boost_info size");
+	__u32 horizon_us;
+	__u32 pad2;
+	__u64 pace_Bps;
+} __attribute__((aligned(8)));
+_Static_assert(sizeof(struct mm_boost_info) == 24, "mm_boost_info size");
 _Static_assert(__builtin_offsetof(struct mm_boost_info, classid) == 0, "mm_boost_info.classid");
 _Static_assert(__builtin_offsetof(struct mm_boost_info, valid) == 4, "mm_boost_info.valid");
 _Static_assert(__builtin_offsetof(struct mm_boost_info, weight) == 5, "mm_boost_info.weight");
 _Static_assert(__builtin_offsetof(struct mm_boost_info, prio) == 6, "mm_boost_info.prio");
 _Static_assert(__builtin_offsetof(struct mm_boost_info, pad) == 7, "mm_boost_info.pad");
+_Static_assert(__builtin_offsetof(struct mm_boost_info, horizon_us) == 8, "mm_boost_info.horizon_us");
+_Static_assert(__builtin_offsetof(struct mm_boost_info, pad2) == 12, "mm_boost_info.pad2");
+_Static_assert(__builtin_offsetof(struct mm_boost_info, pace_Bps) == 16, "mm_boost_info.pace_Bps");
 
 struct mm_stage_ovr_key {
 	__u32 prefixlen;
@@ -322,6 +340,14 @@ _Static_assert(__builtin_offsetof(struct mm_ovr_info, hits) == 0, "mm_ovr_info.h
 _Static_assert(__builtin_offsetof(struct mm_ovr_info, class_id) == 8, "mm_ovr_info.class_id");
 _Static_assert(__builtin_offsetof(struct mm_ovr_info, level) == 9, "mm_ovr_info.level");
 _Static_assert(__builtin_offsetof(struct mm_ovr_info, pad) == 10, "mm_ovr_info.pad");
+
+struct mm_pace_state {
+	__u64 next_ns;
+	__u64 over_horizon;
+} __attribute__((aligned(8)));
+_Static_assert(sizeof(struct mm_pace_state) == 16, "mm_pace_state size");
+_Static_assert(__builtin_offsetof(struct mm_pace_state, next_ns) == 0, "mm_pace_state.next_ns");
+_Static_assert(__builtin_offsetof(struct mm_pace_state, over_horizon) == 8, "mm_pace_state.over_horizon");
 
 struct mm_tlv_out {
 	__u32 fps;

@@ -30,6 +30,8 @@ BPF_TABLE("array", __u32, struct mm_boost_info, boost_map, MM_BOOST_SLOTS);
 BPF_F_TABLE("lpm_trie", struct mm_stage_ovr_key, struct mm_ovr_info, stage_ovr_map, MM_MAX_STAGE_OVR, BPF_F_NO_PREALLOC);
 /* Overrides: egress flow (5-tuple) -> class, boost level, hits. */
 BPF_TABLE("hash", struct mm_flow_key, struct mm_ovr_info, flow_ovr_map, MM_MAX_FLOW_OVR);
+/* Egress mode fq: (level, class) -> its pacer's clock (EDT; the classifier's). */
+BPF_TABLE("array", __u32, struct mm_pace_state, pace_map, MM_PACE_SLOTS);
 
 /* Programs (SCHED_CLS, attached with clsact): direction -> function. */
 int mm_egress(struct __sk_buff *skb); /* egress */

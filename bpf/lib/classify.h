@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Policy lookup: header -> class id, source-rule clamp, flow table, override
- * (boost leaf), priority, DSCP, counters.  The pure-Python reference of the
+ * (boost leaf), priority, pacing (egress mode fq), DSCP, counters.  The pure-Python reference of the
  * same semantics is mmmesh.policy.classify_reference() (the override step:
  * testkit/overrides.py); tests compare the two. */
 #ifndef MM_CLASSIFY_H
@@ -10,6 +10,7 @@
 #include "maps.h"
 #include "parse.h"
 #include "mmh.h"
+#include "pace.h"
 
 /* Header -> class id before clamping: a requested class that exists wins,
  * then the modality's metadata rules in order, then its fallback class, then
@@ -113,10 +114,10 @@ static __always_inline __u8 mm_override(struct mm_pkt *p, const struct mm_config
 	return ov->level;
 }
 
-/* The HTB class of boost level `level` of class cid, 0 when that leaf is not
- * (or no longer) there: user space marks a boost valid only once its leaf
- * exists and invalidates it before deleting the leaf. */
-static __always_inline __u32 mm_boost_classid(__u32 cid, __u32 level)
+/* Boost level `level` of class cid (its skb->priority, pacer), 0 when that
+ * leaf is not (or no longer) there: user space marks a boost valid only once
+ * its leaf exists and invalidates it before deleting the leaf. */
+static __always_inline struct mm_boost_info *mm_boost(__u32 cid, __u32 level)
 {
 	struct mm_boost_info *b;
 	__u32 k;
@@ -125,9 +126,9 @@ static __always_inline __u32 mm_boost_classid(__u32 cid, __u32 level)
 		return 0;
 	k = (level - 1) * MM_MAX_CLASSES + (cid & (MM_MAX_CLASSES - 1));
 	b = boost_map.lookup(&k);
-	if (!b || !b->valid)
+	if (!b || !b->valid || !b->classid)
 		return 0;
-	return b->classid;
+	return b;
 }
 
 /* Rewrites the DSCP bits, keeping ECN; IPv4 header checksum fixed
@@ -263,11 +264,21 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 		/* Egress only: on ingress, a priority that equals an HTB class id
 		 * would follow forwarded packets to other devices' qdiscs. */
 		if (dir == MM_DIR_EGRESS) {
-			__u32 bc = boost && cid == boost_cid ? mm_boost_classid(cid, boost) : 0;
+			struct mm_boost_info *b = boost && cid == boost_cid ? mm_boost(cid, boost) : 0;
 
-			skb->priority = bc ? bc : ci->classid;
-			if (bc)
+			/* HTB: the leaf's class id; egress mode fq: the band's priomap slot. */
+			skb->priority = b ? b->classid : ci->classid;
+			if (b)
 				flags |= MM_CBF_BOOSTED;
+			/* Egress mode fq: the frame's pacer is its leaf's (the class's own,
+			 * or the boost's, which has a share of the class's ceil). */
+			if (cfg->flags & MM_CFG_PACING) {
+				if (b)
+					mm_pace(skb, boost * MM_MAX_CLASSES + cid, b->pace_Bps,
+						b->horizon_us, &flags);
+				else
+					mm_pace(skb, cid, ci->pace_Bps, ci->horizon_us, &flags);
+			}
 			if (ci->dscp != MM_DSCP_KEEP && p.l3 && mm_set_dscp(skb, &p, ci->dscp)) {
 				flags |= MM_CBF_DSCP;
 				st->reason[MM_R_DSCP_REWRITE]++;
@@ -280,6 +291,10 @@ static __always_inline int mm_classify(struct __sk_buff *skb, const __u32 dir)
 	if (flags & MM_CBF_CLAMPED)
 		st->reason[MM_R_CLAMPED]++;
 	st->reason[reason & (MM_NR_REASONS - 1)]++;
+	/* Verifier: cid is bounded above, but with the pacer's registers clang
+	 * spills it as a u32 and reloads it; 6.12's verifier does not keep the
+	 * bound of that spill (6.18's does).  The mask shows it again. */
+	cid &= MM_MAX_CLASSES - 1;
 	st->cls[cid].packets++;
 	st->cls[cid].bytes += skb->len;
 

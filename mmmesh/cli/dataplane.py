@@ -22,6 +22,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace a root qdisc that mmmesh did not create")
     p.add_argument("--no-ingress", action="store_true", help="attach the egress program only")
+    p.add_argument("--egress", choices=("htb", "fq", "auto"), default="htb",
+                   help="egress mode (docs/dataplane.md \"Egress modes\"; default htb)")
     p.set_defaults(func=_up)
 
     p = sub.add_parser("down", help="detach and unpin everything on a device")
@@ -29,7 +31,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--netns")
     p.set_defaults(func=_down)
 
-    p = sub.add_parser("status", help="programs, counters and HTB classes of a device")
+    p = sub.add_parser("status", help="programs, counters and HTB classes (or fq bands) of a "
+                       "device")
     p.add_argument("--iface", required=True)
     p.add_argument("--netns")
     p.add_argument("--policy", help="policy file, to show class names")
@@ -50,6 +53,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--overrides", metavar="FILE",
                    help="per-stage and per-flow overrides (YAML or JSON, docs/dataplane.md); "
                         "--json then adds 'boosted'")
+    p.add_argument("--egress", choices=("htb", "fq"), default="htb",
+                   help="write the maps as this egress mode does (fq: --json adds band, "
+                        "tstamp, paced, over_horizon)")
     p.add_argument("--json", action="store_true", help="one JSON object per packet")
     p.set_defaults(func=_classify)
 
@@ -58,12 +64,12 @@ def _up(a: argparse.Namespace) -> int:
     from mmmesh.dataplane import Dataplane
 
     pol = load_policy(a.policy)
-    r = Dataplane(a.iface or pol.link.device, a.netns).up(pol, force=a.force,
-                                                          ingress=not a.no_ingress)
+    dp = Dataplane(a.iface or pol.link.device, a.netns, egress=a.egress)
+    r = dp.up(pol, force=a.force, ingress=not a.no_ingress)
     how = "adopted" if r.adopted else "loaded"
     progs = ", ".join(f"{d} prog {i}" for d, i in r.prog_ids.items())
     print(f"{how} mmmesh on {r.iface}{' in netns ' + r.netns if r.netns else ''}: {progs}; "
-          f"{len(pol.classes)} classes, link {pol.link.rate}")
+          f"{len(pol.classes)} classes, link {pol.link.rate}, egress mode {dp.egress_mode()}")
     return 0
 
 
@@ -87,12 +93,24 @@ def _status(a: argparse.Namespace) -> int:
           f"programs={st['programs']}  flows={st.get('flows', 0)}")
     if not st.get("loaded"):
         return 0
-    print(f"{'class':<14}{'classid':>8}{'egress pkts':>14}{'egress bytes':>16}"
-          f"{'htb drops':>11}{'backlog':>9}")
-    for name, c in st["classes"].items():
-        h = c["htb"]
-        print(f"{name:<14}{c['classid']:>8}{c['egress_packets']:>14}{c['egress_bytes']:>16}"
-              f"{h.get('drops', 0):>11}{h.get('backlog', 0):>9}")
+    if st.get("egress") == "fq":  # no HTB classes: each class's band, each queue's fq
+        print(f"{'class':<14}{'band':>8}{'egress pkts':>14}{'egress bytes':>16}")
+        for name, c in st["classes"].items():
+            print(f"{name:<14}{c.get('band', '-'):>8}{c['egress_packets']:>14}{c['egress_bytes']:>16}")
+        for q in st["fq"]:
+            print(f"fq {q['handle']} (TX queue {q['queue']}): weights {q.get('weights')} "
+                  f"packets {q['packets']} drops {q['drops']} horizon drops "
+                  f"{q['horizon_drops']} backlog {q['backlog']}")
+        for pc in st["pacers"]:
+            print(f"pacer class {pc['class_id']} level {pc['level']}: {pc['rate_bps']} bit/s, "
+                  f"{pc['ahead_ns']} ns ahead, {pc['over_horizon']} over the horizon")
+    else:
+        print(f"{'class':<14}{'classid':>8}{'egress pkts':>14}{'egress bytes':>16}"
+              f"{'htb drops':>11}{'backlog':>9}")
+        for name, c in st["classes"].items():
+            h = c["htb"]
+            print(f"{name:<14}{c['classid']:>8}{c['egress_packets']:>14}"
+                  f"{c['egress_bytes']:>16}{h.get('drops', 0):>11}{h.get('backlog', 0):>9}")
     for d, rs in st["reasons"].items():
         print(f"{d}: " + "  ".join(f"{k}={v}" for k, v in rs.items()))
     return 0
@@ -131,16 +149,17 @@ def _classify(a: argparse.Namespace) -> int:
     pol = load_policy(a.policy)
     ovr = _overrides(a.overrides)
     frames = _frames(a)
-    with Classifier(pol, overrides=ovr) as clf:
+    with Classifier(pol, overrides=ovr, egress=a.egress) as clf:
         for i, f in enumerate(frames):
             v = clf.run(f, a.direction)
             d: dict[str, Any] = {"index": i, **v.as_json(overrides=ovr is not None)}
             if a.json:
                 print(json.dumps(d, sort_keys=True))
             else:
-                print(f"{i:>4} {v.verdict:<5} prio={v.classid or '-':<6} "
+                where = f"band={v.band}" if v.band is not None else f"prio={v.classid or '-'}"
+                print(f"{i:>4} {v.verdict:<5} {where:<11} "
                       f"class={v.class_ or '-':<12} modality={v.modality or '-':<12} "
                       f"reason={v.reason}{' clamped' if v.clamped else ''}"
-                      f"{' boosted' if v.boosted else ''}")
+                      f"{' boosted' if v.boosted else ''}{' paced' if v.paced else ''}")
     sys.stdout.flush()
     return 0

@@ -16,6 +16,12 @@ The public face is small::
     dp.overrides(policy)                   # [OverrideEntry]: what the kernel holds, hits
     dp.down()                              # detach, unpin, restore the device
 
+    dp = Dataplane("eth0", egress="auto")  # egress mode: "htb" (default), "fq" or "auto"
+    dp.egress_mode()                       # "fq" on a multiqueue NIC with sch_fq bands, else "htb"
+    dp.check(policy)                       # [(field, message)] the mode cannot realise
+    dp.fq_qdiscs(); dp.pacers()            # egress mode fq: each queue's fq, each pacer
+    dp.realisable(overrides, effective)    # (overrides the mode can realise, why the others not)
+
 The socket layer (sockops + SOCKHASH + sk_msg on a cgroup v2, docs/socklayer.md)
 has a handle of its own::
 
@@ -32,7 +38,8 @@ only ever in a short-lived child process (``_bcc.py``).  Private modules:
 ``_pins`` (bpffs, adoption, staging), ``_maps`` (typed maps), ``_bpf`` (libbpf
 via ctypes), ``_netlink`` (pyroute2: clsact, filters, HTB), ``_compile``
 (policy -> map entries + HTB spec), ``_bcc`` (compile and load), ``_sock``
-(the socket layer's cgroup, pins, attachment and maps), and ``classify``
+(the socket layer's cgroup, pins, attachment and maps), ``_egress`` (the
+egress modes' rule and fq drift), and ``classify``
 (test runs of the real program, for the CLI and the tests).  They import one
 another (``from . import _bpf``, ``from ._maps import Maps``), never this
 face, which imports them.
@@ -41,6 +48,7 @@ face, which imports them.
 from mmmesh.policy.overrides import Boost, FlowOverride, OverrideEntry, Overrides, StageOverride
 
 from ._bcc import build_id
+from ._egress import EGRESS_CHOICES, choose_egress
 from ._handle import Dataplane, link_exists
 from ._pins import PIN_ROOT, ensure_bpffs
 from ._socklayer import (
@@ -59,12 +67,15 @@ from ._types import (
     DirectionCounters,
     Flow,
     FlowCensus,
+    FqQdiscStats,
     HtbClassStats,
+    PacerState,
     UpResult,
     handle,
 )
 
 __all__ = [
+    "EGRESS_CHOICES",
     "PIN_ROOT",
     "Boost",
     "ClassStatus",
@@ -76,9 +87,11 @@ __all__ = [
     "Flow",
     "FlowCensus",
     "FlowOverride",
+    "FqQdiscStats",
     "HtbClassStats",
     "OverrideEntry",
     "Overrides",
+    "PacerState",
     "SocketFlow",
     "SocketLayer",
     "SocketState",
@@ -88,6 +101,7 @@ __all__ = [
     "StageOverride",
     "UpResult",
     "build_id",
+    "choose_egress",
     "ensure_bpffs",
     "handle",
     "link_exists",

@@ -1,4 +1,6 @@
-"""Policy (and overrides) -> the contents of the BPF maps and the HTB tree.
+"""Policy (and overrides) -> the contents of the BPF maps and the qdiscs:
+the HTB tree (egress mode htb) or the sch_fq bands and the pacers (egress
+mode fq, docs/dataplane.md "Egress modes").
 
 Pure functions, no kernel: the loader writes what they return.  The BPF
 program's semantics for these tables are mirrored by
@@ -13,6 +15,7 @@ import ipaddress
 import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from mmmesh import abi
 from mmmesh.errors import DataplaneError
@@ -26,7 +29,8 @@ from mmmesh.policy.overrides import (
 )
 
 from ..policy import MAX_WEIGHT, QUANTUM_UNIT, Policy, TrafficClass
-from ._types import HtbClass, HtbClassStats, HtbSpec
+from ..policy.egress import FQ_MIN_PACE_BPS, fq_band
+from ._types import FqSpec, HtbClass, HtbClassStats, HtbSpec
 
 _MAX_PRIO = 7  # HTB prios 0..7
 
@@ -37,7 +41,9 @@ class CompiledPolicy:
     classes: dict[int, abi.ClassInfo]  # class id -> info (ids not here are invalid)
     modalities: dict[int, abi.ModalityInfo]
     sources: list[tuple[abi.SrcKey, abi.SrcInfo]] = field(default_factory=list)
-    htb: HtbSpec | None = None
+    htb: HtbSpec | None = None  # egress mode htb
+    fq: FqSpec | None = None  # egress mode fq (without boosts; fq_plan adds them)
+    egress: str = "htb"
 
 
 def src_key(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> abi.SrcKey:
@@ -76,13 +82,20 @@ def htb_burst(rate_bps: int) -> int | None:
     return max(HTB_MIN_BURST, rate_bps * HTB_BURST_US // 8_000_000)
 
 
-def compile_policy(policy: Policy, version: int = 0) -> CompiledPolicy:
+def compile_policy(policy: Policy, version: int = 0, *, egress: str = "htb") -> CompiledPolicy:
+    """The maps and the qdiscs of ``policy`` in egress mode ``egress``
+    ("htb": class_map holds HTB class ids; "fq": band slots and pacers)."""
+    if egress not in ("htb", "fq"):
+        raise ValueError(f"egress mode {egress!r}")
     ranks = {c.name: i for i, c in enumerate(policy.ranked())}
     classes: dict[int, abi.ClassInfo] = {}
+    plan = fq_plan(policy, ()) if egress == "fq" else None
     for c in policy.classes:
         classes[c.id] = abi.ClassInfo(
             classid=c.classid, valid=1, rank=ranks[c.name], dscp=c.dscp_value
         )
+        if plan is not None:
+            set_pacing(classes[c.id], plan.leaves[(c.id, 0)])
 
     # modality -> (conditional rules in file order, fallback class id)
     rules: dict[int, list[abi.Rule]] = {}
@@ -120,9 +133,11 @@ def compile_policy(policy: Policy, version: int = 0) -> CompiledPolicy:
     config = abi.Config(
         policy_version=version & 0xFFFFFFFF,
         default_class=policy.default.id,
-        flags=abi.CFG_HAS_SRC_RULES if sources else 0,
+        flags=(abi.CFG_HAS_SRC_RULES if sources else 0) | (plan.flags if plan else 0),
         clamp_below_rank=clamp_below,
     )
+    if plan is not None:
+        return CompiledPolicy(config, classes, modalities, sources, None, plan.spec, "fq")
     link = int(policy.link.rate)
     htb = HtbSpec(
         link_bps=link,
@@ -165,6 +180,7 @@ class BoostLeaf:
 @dataclass
 class CompiledOverrides:
     boosts: dict[tuple[int, int], BoostLeaf]  # (class id, level) -> leaf
+    infos: dict[tuple[int, int], abi.BoostInfo] = field(default_factory=dict)  # boost_map values
     stages: list[tuple[abi.StageOvrKey, abi.OvrInfo]] = field(default_factory=list)
     flows: list[tuple[abi.FlowKey, abi.OvrInfo]] = field(default_factory=list)
     flags: int = 0  # CFG_STAGE_OVERRIDES | CFG_FLOW_OVERRIDES as needed
@@ -257,7 +273,7 @@ def _levels(wanted: dict[int, set[tuple[int, int]]],
 
 def compile_overrides(policy: Policy, overrides: Overrides, *, bounds: Policy | None = None,
                       current: Mapping[tuple[int, int], tuple[int, int]] | None = None,
-                      drop_invalid: bool = False) -> CompiledOverrides:
+                      drop_invalid: bool = False, egress: str = "htb") -> CompiledOverrides:
     """Overrides -> boost leaves and map entries for ``policy`` (as applied).
 
     Every boost is checked: its class exists, weight 1..100 and prio 0..7,
@@ -267,7 +283,9 @@ def compile_overrides(policy: Policy, overrides: Overrides, *, bounds: Policy | 
     outrank a source rule's max_class.  At most MAX_BOOSTS distinct boosts per
     class.  ``current`` ((class, level) -> (weight, prio)) keeps levels stable.
     A problem raises DataplaneError (EINVAL), or with ``drop_invalid`` leaves
-    that override out (listed in ``dropped``)."""
+    that override out (listed in ``dropped``).  Egress mode fq also refuses
+    an override whose boost changes nothing there (:func:`fq_inert`); its
+    boost_map values are the boosts' bands and pacers (:func:`fq_plan`)."""
     problems: list[str] = []
     by_name = {c.name: c for c in policy.classes}
     resolved: list[tuple[int, tuple[int, int], abi.StageOvrKey | abi.FlowKey]] = []
@@ -283,6 +301,8 @@ def compile_overrides(policy: Policy, overrides: Overrides, *, bounds: Policy | 
         wp = (c.weight if o.boost.weight is None else o.boost.weight,
               c.priority if o.boost.priority is None else o.boost.priority)
         errs = _boost_errors(policy, bounds, c, *wp)
+        if egress == "fq" and not errs:
+            errs += fq_inert(policy, c, *wp)
         key = stage_key(c.id, o.prefix) if isinstance(o, StageOverride) else flow_key(o)
         if bytes(key) in seen:
             errs.append("the same class and prefix (or flow) as an earlier override")
@@ -306,7 +326,9 @@ def compile_overrides(policy: Policy, overrides: Overrides, *, bounds: Policy | 
         if cid not in wanted:
             continue
         lvl = levels[(cid, wp)]
-        out.boosts[(cid, lvl)] = BoostLeaf(cid, lvl, *wp)
+        b = out.boosts[(cid, lvl)] = BoostLeaf(cid, lvl, *wp)
+        out.infos[(cid, lvl)] = abi.BoostInfo(classid=b.classid, valid=1, weight=b.weight,
+                                              prio=b.prio)
         info = abi.OvrInfo(class_id=cid, level=lvl)
         if isinstance(key, abi.StageOvrKey):
             out.stages.append((key, info))
@@ -314,6 +336,9 @@ def compile_overrides(policy: Policy, overrides: Overrides, *, bounds: Policy | 
         else:
             out.flows.append((key, info))
             out.flags |= abi.CFG_FLOW_OVERRIDES
+    if egress == "fq":
+        plan = fq_plan(policy, out.boosts.values())
+        out.infos = plan.boost_infos()
     return out
 
 
@@ -369,3 +394,169 @@ def transition_spec(final: HtbSpec, have: Mapping[int, HtbClassStats]) -> HtbSpe
                                 ceil_bps=(cur.ceil_Bps or 0) * 8 or final.link_bps,
                                 prio=cur.prio or 0, quantum=cur.quantum or QUANTUM_UNIT))
     return dataclasses.replace(final, leaves=tuple(out))
+
+
+# --------------------------------------------------------------------------
+# Egress mode fq: bands, band weights, pacers (docs/dataplane.md "Egress modes")
+# --------------------------------------------------------------------------
+FQ_MAX_WEIGHT = 0x7FFFFFFF  # sch_fq's band weights are s32
+FQ_BASE_WEIGHT = 65536
+"""The smallest band's weight: one full GSO packet.  sch_fq accepts 16384
+(FQ_MIN_WEIGHT), but a band whose weight is below one packet needs several
+refills per packet, which kernels before "sch_fq: fix incorrect behavior for
+small weights" (6.11, stable) got wrong with BIG TCP; and 9 : 3 : 1 from
+65536 is exactly sch_fq's default."""
+FQ_BAND_FACTORS = (9, 3, 1)
+"""The bands' shares when guarantees do not ask for more: sch_fq's own
+default weights (589824 : 196608 : 65536, Google's production choice, and
+Cilium's Network QoS)."""
+
+
+@dataclass(frozen=True)
+class FqLeaf:
+    """A class's own pacer (level 0) or one of its boosts' in egress mode fq."""
+
+    class_id: int
+    level: int
+    band: int
+    rate_bps: int  # its share of the class's guarantee (what its band's weight counts)
+    pace_Bps: int  # its share of the class's ceil, bytes/s; 0: not paced
+    horizon_us: int = 0
+
+    @property
+    def slot(self) -> int:
+        """Its skb->priority: the band's priomap slot."""
+        return abi.FQ_PRIO_BASE + self.band
+
+
+def pace_horizon_us(pace_Bps: int) -> int:
+    """How far a pacer at ``pace_Bps`` may run ahead of now: the time of
+    LEAF_LIMIT full frames at its rate (an HTB leaf's queue), within
+    PACE_MIN_HORIZON_US .. PACE_MAX_HORIZON_US."""
+    if pace_Bps <= 0:
+        return 0
+    t = LEAF_LIMIT * QUANTUM_UNIT * 1_000_000 // pace_Bps
+    return max(abi.PACE_MIN_HORIZON_US, min(abi.PACE_MAX_HORIZON_US, t))
+
+
+def set_pacing(info: abi.ClassInfo | abi.BoostInfo, leaf: FqLeaf) -> None:
+    """A map value's skb->priority and pacer fields from ``leaf``."""
+    info.classid = leaf.slot
+    info.pace_Bps = leaf.pace_Bps
+    info.horizon_us = leaf.horizon_us
+
+
+def fq_band_weights(link_bps: int, leaves: Iterable[tuple[int, int]]) -> tuple[int, int, int]:
+    """sch_fq's band weights (bytes per round) for leaves of (band, guaranteed
+    rate): each band's share is FQ_BAND_FACTORS', raised where the sum of its
+    guarantees needs more of the link (the others keep their ratios in what
+    is left: water filling), the smallest used band at FQ_MIN_WEIGHT.  So
+    under contention a band gets at least its guarantees, and the urgent
+    bands' turns come after few bytes of the others (FQ_BASE_WEIGHT)."""
+    need: dict[int, Fraction] = {}
+    for band, rate in leaves:
+        need[band] = need.get(band, Fraction(0)) + Fraction(int(rate), max(1, int(link_bps)))
+    if not need:
+        return (FQ_BASE_WEIGHT, FQ_BASE_WEIGHT, FQ_BASE_WEIGHT)
+    fixed: dict[int, Fraction] = {}
+    while True:
+        free = [b for b in need if b not in fixed]
+        room = max(Fraction(0), 1 - sum(fixed.values(), Fraction(0)))
+        scale = room / sum(FQ_BAND_FACTORS[b] for b in free) if free else Fraction(0)
+        more = [b for b in free if need[b] > scale * FQ_BAND_FACTORS[b]]
+        if not more:
+            break
+        for b in more:
+            fixed[b] = need[b]
+    share = {b: fixed.get(b, scale * FQ_BAND_FACTORS[b]) for b in need}
+    low = min(v for v in share.values() if v > 0)
+    # the smallest band at FQ_BASE_WEIGHT; when that would overflow the
+    # largest, the largest at the maximum instead and the smallest no lower
+    # than the kernel's minimum (the small bands then get a little more than
+    # their share: egress_errors refuses guarantees that need more of the link
+    # than FQ_MAX_WEIGHT beside FQ_MIN_WEIGHTs gives)
+    unit = min(Fraction(FQ_BASE_WEIGHT) / low, Fraction(FQ_MAX_WEIGHT) / max(share.values()))
+    out = [FQ_BASE_WEIGHT] * abi.FQ_BANDS  # unused bands: carry nothing
+    for b, v in share.items():
+        out[b] = max(abi.FQ_MIN_WEIGHT, min(FQ_MAX_WEIGHT, int(v * unit)))
+    return (out[0], out[1], out[2])
+
+
+def fq_priomap(default_band: int) -> tuple[int, ...]:
+    """skb->priority & 15 -> band: FQ_PRIO_BASE + b is band b (what the
+    classifier writes); every other slot is the default class's band, so a
+    frame the classifier did not mark (its program detached, a foreign
+    priority) is best effort, never escalated."""
+    out = [default_band] * abi.FQ_PRIO_SLOTS
+    for b in range(abi.FQ_BANDS):
+        out[abi.FQ_PRIO_BASE + b] = b
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class FqPlan:
+    """Everything egress mode fq writes for a policy and its boosts."""
+
+    spec: FqSpec
+    leaves: dict[tuple[int, int], FqLeaf]  # (class id, level) -> leaf; level 0: the class
+    boosts: tuple[BoostLeaf, ...]
+    flags: int  # CFG_PACING when some leaf is paced
+
+    def boost_infos(self) -> dict[tuple[int, int], abi.BoostInfo]:
+        out = {}
+        for b in self.boosts:
+            info = abi.BoostInfo(valid=1, weight=b.weight, prio=b.prio)
+            set_pacing(info, self.leaves[(b.class_id, b.level)])
+            out[(b.class_id, b.level)] = info
+        return out
+
+
+def fq_plan(policy: Policy, boosts: Iterable[BoostLeaf]) -> FqPlan:
+    """The bands, band weights and pacers of ``policy`` with ``boosts``: each
+    class is a leaf in the band of its priority; a class with a ceil below
+    the link is paced at its ceil; a boost is a leaf in the band of its
+    priority with a share of the class's guarantee and (when the class is
+    paced) of its ceil in proportion to the weights, as HTB splits a class
+    between its leaves: a boost never adds guarantee or ceiling."""
+    by_class: dict[int, list[BoostLeaf]] = {}
+    bl = sorted(boosts, key=lambda b: (b.class_id, b.level))
+    for b in bl:
+        by_class.setdefault(b.class_id, []).append(b)
+    link = int(policy.link.rate)
+    leaves: dict[tuple[int, int], FqLeaf] = {}
+    min_Bps = -(-FQ_MIN_PACE_BPS // 8)
+    for c in policy.classes:
+        ceil = int(policy.ceil_of(c))
+        paced = ceil < link
+        mine = by_class.get(c.id, [])
+        total = c.weight + sum(b.weight for b in mine)
+        ceil_Bps = ceil // 8
+        rates = pace = 0
+        for b in mine:
+            r = int(c.rate) * b.weight // total
+            p = max(min_Bps, ceil_Bps * b.weight // total) if paced else 0
+            leaves[(c.id, b.level)] = FqLeaf(c.id, b.level, fq_band(b.prio), r, p,
+                                             pace_horizon_us(p))
+            rates += r
+            pace += p
+        p = max(min_Bps, ceil_Bps - pace) if paced else 0
+        leaves[(c.id, 0)] = FqLeaf(c.id, 0, fq_band(c.priority), int(c.rate) - rates, p,
+                                   pace_horizon_us(p))
+    default_band = fq_band(policy.default.priority)
+    spec = FqSpec(fq_band_weights(link, ((x.band, x.rate_bps) for x in leaves.values())),
+                  fq_priomap(default_band), abi.FQ_HORIZON_US, default_band)
+    flags = abi.CFG_PACING if any(x.pace_Bps for x in leaves.values()) else 0
+    return FqPlan(spec, leaves, tuple(bl), flags)
+
+
+def fq_inert(policy: Policy, c: TrafficClass, weight: int, prio: int) -> list[str]:
+    """Why a boost (weight, prio) of class ``c`` changes nothing in egress mode
+    fq ([] when it changes something): its band is the class's and the class
+    has no pacer to split (its ceil is the link's; sch_fq already shares a
+    band per flow, so a weight alone has nothing to act on)."""
+    if fq_band(prio) != fq_band(c.priority) or int(policy.ceil_of(c)) < int(policy.link.rate):
+        return []
+    return [(f"egress mode fq: a boost of {c.name!r} in its own band (priority {prio}) "
+             f"needs the class to have a ceil below the link: weight {weight} would split "
+             f"nothing (sch_fq shares a band per flow); give the boost a priority of "
+             f"another band within the class's adapt range, or the class a ceil")]

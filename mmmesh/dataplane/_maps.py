@@ -11,8 +11,9 @@ from mmmesh import abi as _abi
 from mmmesh.failpoints import failpoint
 from mmmesh.policy.overrides import PROTOCOLS, Boost, FlowOverride, OverrideEntry, StageOverride
 
+from ..policy.egress import FQ_MIN_PACE_BPS as MIN_PACE_BPS
 from ._bpf import Map, count_by_next_key, count_map_entries, obj_get
-from ._compile import CompiledOverrides, CompiledPolicy
+from ._compile import CompiledOverrides, CompiledPolicy, pace_horizon_us
 from ._types import DirectionCounters, FlowCensus
 
 USER_MAPS = tuple(m for m in _abi.MAPS if m.user)
@@ -66,6 +67,7 @@ class Maps:
         self.boosts = self._maps["boost_map"]
         self.stage_ovr = self._maps["stage_ovr_map"]
         self.flow_ovr = self._maps["flow_ovr_map"]
+        self.pace = self._maps["pace_map"]
 
     @classmethod
     def open_pinned(cls, pin_dir: str) -> Maps:
@@ -146,6 +148,16 @@ class Maps:
                     out[(cid, level)] = (int(b.weight), int(b.prio))
         return out
 
+    def read_boost_infos(self) -> dict[tuple[int, int], _abi.BoostInfo]:
+        """(class id, level) -> boost_map value of every valid boost."""
+        out: dict[tuple[int, int], _abi.BoostInfo] = {}
+        for level in range(1, _abi.MAX_BOOSTS + 1):
+            for cid in range(1, _abi.MAX_CLASSES):
+                b = self.boosts.lookup(_abi.boost_slot(cid, level))
+                if b is not None and b.valid:
+                    out[(cid, level)] = b
+        return out
+
     def read_overrides(self) -> list[tuple[_abi.StageOvrKey | _abi.FlowKey, _abi.OvrInfo]]:
         """Every stage and flow override entry (keys as the maps hold them)."""
         out: list[tuple[_abi.StageOvrKey | _abi.FlowKey, _abi.OvrInfo]] = []
@@ -155,12 +167,13 @@ class Maps:
 
     def override_entries(self, names: dict[int, str]) -> list[OverrideEntry]:
         """The override maps decoded (class names from ``names``, else the id)."""
-        boosts = self.read_boosts()
+        infos = self.read_boost_infos()
         out: list[OverrideEntry] = []
         for k, v in self.read_overrides():
             cid, lvl = int(v.class_id), int(v.level)
-            wp = boosts.get((cid, lvl))
-            boost = Boost(*wp) if wp is not None else Boost()
+            b = infos.get((cid, lvl))
+            boost = Boost(int(b.weight), int(b.prio)) if b is not None else Boost()
+            classid = int(b.classid) if b is not None else _abi.boost_classid(cid, lvl)
             name = names.get(cid, str(cid))
             o: StageOverride | FlowOverride
             if isinstance(k, _abi.StageOvrKey):
@@ -169,7 +182,7 @@ class Maps:
                 o = FlowOverride(name, addr_text(bytes(k.saddr)), be16(k.sport),
                                  addr_text(bytes(k.daddr)), be16(k.dport),
                                  _PROTO_NAMES.get(int(k.proto), str(k.proto)), boost)
-            out.append(OverrideEntry(o, lvl, _abi.boost_classid(cid, lvl), int(v.hits)))
+            out.append(OverrideEntry(o, lvl, classid, int(v.hits)))
         return out
 
     def write_overrides(self, co: CompiledOverrides) -> None:
@@ -179,8 +192,9 @@ class Maps:
         (an unchanged entry keeps its hit count), then stale entries removed,
         then boosts nobody uses any more invalidated (their leaves can go)."""
         for (cid, lvl), b in co.boosts.items():
-            self.boosts.update(_abi.boost_slot(cid, lvl), _abi.BoostInfo(
-                classid=b.classid, valid=1, weight=b.weight, prio=b.prio))
+            info = co.infos.get((cid, lvl)) or _abi.BoostInfo(
+                classid=b.classid, valid=1, weight=b.weight, prio=b.prio)
+            self.boosts.update(_abi.boost_slot(cid, lvl), info)
         failpoint("maps.boosts_written")
         self._set_override_flags((self._config_flags() & _abi.CFG_OVERRIDES) | co.flags)
         for m, entries in ((self.stage_ovr, co.stages), (self.flow_ovr, co.flows)):
@@ -200,6 +214,67 @@ class Maps:
             if (cid, lvl) not in co.boosts:
                 self.boosts.update(_abi.boost_slot(cid, lvl), _abi.BoostInfo())
         failpoint("maps.overrides_pruned")
+
+    # ------------------------------------------------------- pacing (fq)
+    def lower_pacers(self, classes: dict[int, tuple[int, int]],
+                     boosts: dict[tuple[int, int], tuple[int, int]]) -> None:
+        """Egress mode fq, before anything else changes: every pacer the maps
+        hold at the lower of its rate and the one it is to have (``classes``:
+        class id -> (bytes/s, horizon us); ``boosts``: (class, level) -> the
+        same; 0 bytes/s = not paced, as fast as the link), and a boost that
+        goes at the slowest pace, so that a class's pacers never add up to
+        more than either state's while the maps change."""
+        def lower(cur: _abi.ClassInfo | _abi.BoostInfo, want: tuple[int, int] | None) -> bool:
+            have = int(cur.pace_Bps)
+            rate, horizon = want if want is not None else (MIN_PACE_BPS // 8, 0)
+            if rate and (not have or rate < have):
+                cur.pace_Bps = rate
+                cur.horizon_us = horizon or pace_horizon_us(rate)
+                return True
+            return False
+
+        for cid in range(1, _abi.MAX_CLASSES):
+            cur = self.classes.lookup(cid)
+            if cur is not None and cur.valid and cid in classes and lower(cur, classes[cid]):
+                self.classes.update(cid, cur)
+        for key, info in self.read_boost_infos().items():
+            if info.pace_Bps and lower(info, boosts.get(key)):
+                self.boosts.update(_abi.boost_slot(*key), info)
+
+    def write_class_pacing(self, classes: dict[int, tuple[int, int, int]]) -> None:
+        """Class id -> (skb->priority, bytes/s, horizon us) into class_map, the
+        rest of each entry as it is (a set_overrides that re-splits classes)."""
+        for cid, (slot, rate, horizon) in classes.items():
+            cur = self.classes.lookup(cid)
+            if cur is None or not cur.valid:
+                continue
+            if (int(cur.classid), int(cur.pace_Bps), int(cur.horizon_us)) != (slot, rate, horizon):
+                cur.classid, cur.pace_Bps, cur.horizon_us = slot, rate, horizon
+                self.classes.update(cid, cur)
+
+    def set_pacing_flag(self, on: bool) -> None:
+        cfg = self.config.lookup(0) or _abi.Config()
+        flags = (cfg.flags | _abi.CFG_PACING) if on else (cfg.flags & ~_abi.CFG_PACING)
+        if flags != cfg.flags:
+            cfg.flags = flags
+            self.config.update(0, cfg)
+
+    def read_pacers(self) -> dict[tuple[int, int], tuple[int, int, int, int]]:
+        """(class id, level) -> (bytes/s, horizon us, clock ns, frames over the
+        horizon) of every paced class and boost."""
+        out: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+        leaves: list[tuple[tuple[int, int], Any]] = []
+        for cid in range(1, _abi.MAX_CLASSES):
+            cur = self.classes.lookup(cid)
+            if cur is not None and cur.valid and cur.pace_Bps:
+                leaves.append(((cid, 0), cur))
+        leaves += [(k, v) for k, v in self.read_boost_infos().items() if v.pace_Bps]
+        for (cid, lvl), info in leaves:
+            st = self.pace.lookup(_abi.pace_slot(cid, lvl))
+            out[(cid, lvl)] = (int(info.pace_Bps), int(info.horizon_us),
+                               int(st.next_ns) if st is not None else 0,
+                               int(st.over_horizon) if st is not None else 0)
+        return out
 
     def policy_version(self) -> int:
         cfg = self.config.lookup(0)

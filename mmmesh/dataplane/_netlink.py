@@ -3,8 +3,13 @@
 Kernel objects mmmesh owns on a device:
   * a clsact qdisc with one cls_bpf filter per direction (prio/handle
     FILTER_PRIO/FILTER_HANDLE, direct-action) running the classifier;
-  * an HTB root ``1:`` with one parent class ``1:1`` at the link rate and one
-    leaf class ``1:<id>`` per policy class, each with a short leaf queue.
+  * egress mode htb: an HTB root ``1:`` with one parent class ``1:40`` at the
+    link rate and one leaf class ``1:<id>`` per policy class (and boost
+    leaf), each with a short leaf queue;
+  * egress mode fq: an ``mq`` root ``4d4d:`` with one ``fq`` per TX queue
+    (``4e00+q:`` under class ``4d4d:<q+1>``), or on a single-queue device one
+    ``fq`` root ``4d4d:``, each with 3 bands, mmmesh's priomap, band weights
+    and horizon (pyroute2 0.9 has no fq or mq plugin: ``_FQ`` below is one).
 Every call is idempotent (replace verbs) so a reconciler can re-apply.
 Testbeds (namespaces, veth links, addresses, routes) are built elsewhere:
 ``demo/netlab.py``.
@@ -12,19 +17,35 @@ Testbeds (namespaces, veth links, addresses, routes) are built elsewhere:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
+import functools
 import os
+import struct
+import subprocess
+import sys
+import types
 from typing import Any, Self
 
 from pyroute2 import IPRoute
 from pyroute2 import config as pyroute2_config
+from pyroute2.netlink import nla
 from pyroute2.netlink.exceptions import NetlinkError
+from pyroute2.netlink.rtnl.tcmsg import plugins as _tc_plugins
 from pyroute2.netlink.rtnl.tcmsg import sched_htb
 
-from mmmesh.abi import HTB_MAJOR, MAX_CLASSES
+from mmmesh.abi import (
+    FQ_BANDS,
+    FQ_CHILD_MAJOR,
+    FQ_PRIO_SLOTS,
+    FQ_ROOT_MAJOR,
+    HTB_MAJOR,
+    MAX_CLASSES,
+)
 from mmmesh.errors import DataplaneError
 
-from ._types import HtbClass, HtbClassStats, HtbSpec
+from ._types import FqQdiscStats, FqSpec, HtbClass, HtbClassStats, HtbSpec
 
 
 def _teach_pyroute2_bpf_ids() -> None:
@@ -48,6 +69,56 @@ def _teach_pyroute2_bpf_ids() -> None:
 
 _teach_pyroute2_bpf_ids()
 
+
+class _FqOptions(nla):  # type: ignore[misc]  # pyroute2 is untyped
+    """sch_fq's TCA_OPTIONS (include/uapi/linux/pkt_sched.h, TCA_FQ_*; PRIOMAP,
+    WEIGHTS since Linux 6.7).  A kernel ignores attributes it does not know,
+    so whether it has bands is read back, never assumed (:func:`probe_fq_bands`)."""
+
+    nla_map = (
+        ("TCA_FQ_UNSPEC", "none"),
+        ("TCA_FQ_PLIMIT", "uint32"),
+        ("TCA_FQ_FLOW_PLIMIT", "uint32"),
+        ("TCA_FQ_QUANTUM", "uint32"),
+        ("TCA_FQ_INITIAL_QUANTUM", "uint32"),
+        ("TCA_FQ_RATE_ENABLE", "uint32"),
+        ("TCA_FQ_FLOW_DEFAULT_RATE", "uint32"),
+        ("TCA_FQ_FLOW_MAX_RATE", "uint32"),
+        ("TCA_FQ_BUCKETS_LOG", "uint32"),
+        ("TCA_FQ_FLOW_REFILL_DELAY", "uint32"),
+        ("TCA_FQ_ORPHAN_MASK", "uint32"),
+        ("TCA_FQ_LOW_RATE_THRESHOLD", "uint32"),
+        ("TCA_FQ_CE_THRESHOLD", "uint32"),
+        ("TCA_FQ_TIMER_SLACK", "uint32"),
+        ("TCA_FQ_HORIZON", "uint32"),
+        ("TCA_FQ_HORIZON_DROP", "uint8"),
+        ("TCA_FQ_PRIOMAP", "priomap"),
+        ("TCA_FQ_WEIGHTS", "weights"),
+        ("TCA_FQ_OFFLOAD_HORIZON", "uint32"),
+    )
+
+    class priomap(nla):  # type: ignore[misc]  # struct tc_prio_qopt
+        fields = (("bands", "i"), ("priomap", "16B"))
+
+    class weights(nla):  # type: ignore[misc]  # s32[FQ_BANDS]
+        fields = (("weights", "3i"),)
+
+
+def _fq_parameters(kwarg: dict[str, Any]) -> dict[str, Any] | None:
+    """TCA_OPTIONS of an fq request: ``fq_attrs`` (a delete has none)."""
+    attrs = kwarg.get("fq_attrs")
+    return {"attrs": attrs} if attrs else None
+
+
+_FQ = types.SimpleNamespace(parent=0xFFFFFFFF, get_parameters=_fq_parameters, options=_FqOptions)
+_tc_plugins.setdefault("fq", _FQ)
+
+# struct tc_fq_qd_stats (TCA_XSTATS of sch_fq), as far as a kernel fills it:
+# 8 x u64/s64, 4 x u32, then (later kernels) ce_mark, horizon_drops,
+# horizon_caps, fastpath_packets (u64), band_drops[3] (u64), band_pkt_count[3] (u32)
+_FQ_XSTATS_HEAD = struct.Struct("<QQQQQQQqIIII")
+_FQ_XSTATS_TAIL = struct.Struct("<QQQQ3Q3I")
+
 # pyroute2 forks a helper process to open a netlink socket in another netns
 # and stops it with SIGTERM.  A forked child inherits the parent's Python
 # signal handlers and asyncio's wakeup fd, so without this the child would
@@ -63,6 +134,12 @@ FILTER_PRIO = 0x4D4D  # "MM": our filter among others on the same hook
 FILTER_HANDLE = 0x4D4D
 HTB_ROOT = HTB_MAJOR << 16
 HTB_PARENT = HTB_ROOT | MAX_CLASSES  # 1:40, outside the policy ids 1..63
+FQ_ROOT = FQ_ROOT_MAJOR << 16  # 4d4d:, the mq (or single fq) root of egress mode fq
+
+
+def fq_child_handle(queue: int) -> int:
+    """The handle of the fq on TX queue ``queue`` (0-based) under the mq root."""
+    return (FQ_CHILD_MAJOR + queue) << 16
 DIRECTIONS = {"egress": PARENT_EGRESS, "ingress": PARENT_INGRESS}
 # Root qdiscs a device has when nobody configured it: safe to replace.
 DEFAULT_ROOT_KINDS = {None, "noqueue", "pfifo_fast", "mq", "fq_codel"}
@@ -266,7 +343,9 @@ class Netlink:
         are not in ``spec`` stay: maps may still point at them."""
         kind, handle = self.root_qdisc(idx)
         ours = kind == "htb" and handle == HTB_ROOT
-        self._check_root(idx, kind, handle, ours, force)
+        # egress mode fq's root is mmmesh's too: a mode switch replaces it
+        mine = ours or (kind, handle) in (("mq", FQ_ROOT), ("fq", FQ_ROOT))
+        self._check_root(idx, kind, handle, mine, force)
         try:
             # sch_htb has no change op: the default class can only be set at
             # creation, so a new default means a new root.
@@ -366,3 +445,221 @@ class Netlink:
             except NetlinkError as e:
                 if e.code not in (errno.ENOENT, errno.EINVAL):
                     raise _err(e, "delete HTB") from e
+
+    # ----------------------------------------------------------- egress fq
+    def tx_queues(self, idx: int) -> int:
+        """The device's TX queues (IFLA_NUM_TX_QUEUES: what it has, as mq makes
+        its children for)."""
+        for link in self.ipr.get_links(idx):
+            n = link.get_attr("IFLA_NUM_TX_QUEUES")
+            return int(n) if n else 1
+        return 1
+
+    def fq_qdiscs(self, idx: int) -> tuple[tuple[str | None, int], dict[int, FqQdiscStats],
+                                           dict[int, str]]:
+        """(root kind and handle, our fq qdiscs by TX queue, the kind of what
+        every other queue under our mq root runs)."""
+        root = self.root_qdisc(idx)
+        ours: dict[int, FqQdiscStats] = {}
+        other: dict[int, str] = {}
+        for q in self.ipr.get_qdiscs(index=idx):
+            kind, parent = q.get_attr("TCA_KIND"), int(q["parent"])
+            if parent == 0xFFFFFFFF:
+                if root == ("fq", FQ_ROOT):
+                    ours[0] = _fq_stats(q, 0)
+                continue
+            if root != ("mq", FQ_ROOT) or parent >> 16 != FQ_ROOT_MAJOR:
+                continue
+            queue = (parent & 0xFFFF) - 1
+            if kind == "fq" and int(q["handle"]) == fq_child_handle(queue):
+                ours[queue] = _fq_stats(q, queue)
+            else:
+                other[queue] = str(kind)
+        return root, ours, other
+
+    def add_fq(self, idx: int, spec: FqSpec, *, force: bool = False) -> None:
+        """Makes the device's egress qdiscs egress mode fq's: an mq root 4d4d:
+        with one fq per TX queue (a single-queue device: one fq root 4d4d:),
+        each with ``spec``.  An HTB root of mmmesh's is replaced (what it holds
+        is dropped); a qdisc somebody else configured is refused (``force``:
+        replaced).  Only what differs is written: an fq that has ``spec`` is
+        left alone, one with other bands is changed in place (it keeps its
+        flows)."""
+        kind, handle = self.root_qdisc(idx)
+        multi = self.tx_queues(idx) > 1
+        want_root = ("mq", FQ_ROOT) if multi else ("fq", FQ_ROOT)
+        if (kind, handle) != want_root:
+            ours = (kind, handle) in (("htb", HTB_ROOT), ("mq", FQ_ROOT), ("fq", FQ_ROOT))
+            self._check_root(idx, kind, handle, ours, force)
+        attrs = _fq_attrs(spec)
+        try:
+            if (kind, handle) != want_root:
+                if handle == FQ_ROOT and kind is not None:
+                    self.ipr.tc("del", kind, idx, handle)  # ours, of the other kind
+                if multi:
+                    self.ipr.tc("replace", "mq", idx, FQ_ROOT)
+                else:
+                    self.ipr.tc("replace", "fq", idx, FQ_ROOT, fq_attrs=attrs)
+            _, have, _ = self.fq_qdiscs(idx)
+            if not multi:
+                if not _fq_matches(have.get(0), spec):
+                    self.ipr.tc("replace", "fq", idx, FQ_ROOT, fq_attrs=attrs)
+                return
+            for queue in self._mq_queues(idx):
+                if _fq_matches(have.get(queue), spec):
+                    continue
+                self.ipr.tc("replace", "fq", idx, fq_child_handle(queue),
+                            parent=FQ_ROOT | (queue + 1), fq_attrs=attrs)
+        except NetlinkError as e:
+            if e.code in (errno.ENOENT, errno.EOPNOTSUPP) and "fq" not in self._known_kinds():
+                raise DataplaneError(errno.EOPNOTSUPP, "egress mode fq: this kernel has no "
+                                     "sch_fq (CONFIG_NET_SCH_FQ)") from e
+            raise _err(e, "configure egress mode fq") from e
+
+    def _mq_queues(self, idx: int) -> list[int]:
+        """The TX queues under our mq root (each has a child qdisc)."""
+        out = set()
+        for q in self.ipr.get_qdiscs(index=idx):
+            parent = int(q["parent"])
+            if parent != 0xFFFFFFFF and parent >> 16 == FQ_ROOT_MAJOR and parent & 0xFFFF:
+                out.add((parent & 0xFFFF) - 1)
+        return sorted(out)
+
+    def _known_kinds(self) -> set[str]:
+        return {str(k) for k in _tc_plugins}
+
+    def remove_fq(self, idx: int) -> None:
+        """Deletes egress mode fq's root (the kernel puts the device's default back)."""
+        kind, handle = self.root_qdisc(idx)
+        if (kind, handle) in (("mq", FQ_ROOT), ("fq", FQ_ROOT)):
+            try:
+                self.ipr.tc("del", kind, idx, handle)
+            except NetlinkError as e:
+                if e.code not in (errno.ENOENT, errno.EINVAL):
+                    raise _err(e, "delete the fq root") from e
+
+
+def _fq_attrs(spec: FqSpec) -> list[list[Any]]:
+    return [["TCA_FQ_PRIOMAP", {"bands": FQ_BANDS, "priomap": list(spec.priomap)}],
+            ["TCA_FQ_WEIGHTS", {"weights": list(spec.weights)}],
+            ["TCA_FQ_HORIZON", int(spec.horizon_us)],
+            ["TCA_FQ_HORIZON_DROP", 1]]
+
+
+def _fq_matches(have: FqQdiscStats | None, spec: FqSpec) -> bool:
+    return (have is not None and have.weights == tuple(spec.weights)
+            and have.priomap == tuple(spec.priomap) and have.horizon_us == spec.horizon_us
+            and have.horizon_drop is True)
+
+
+def _fq_stats(q: Any, queue: int) -> FqQdiscStats:
+    st: dict[str, Any] = {"queue": queue, "handle": int(q["handle"]), "parent": int(q["parent"])}
+    opts = q.get_attr("TCA_OPTIONS")
+    if opts is not None and hasattr(opts, "get_attr"):
+        pm, w = opts.get_attr("TCA_FQ_PRIOMAP"), opts.get_attr("TCA_FQ_WEIGHTS")
+        if pm is not None:
+            st["priomap"] = tuple(int(x) for x in pm["priomap"])[:FQ_PRIO_SLOTS]
+        if w is not None:
+            st["weights"] = tuple(int(x) for x in w["weights"])
+        h, hd = opts.get_attr("TCA_FQ_HORIZON"), opts.get_attr("TCA_FQ_HORIZON_DROP")
+        st["horizon_us"] = int(h) if h is not None else None
+        st["horizon_drop"] = bool(hd) if hd is not None else None
+    basic = q.get_attr("TCA_STATS2")
+    if basic is not None:
+        b = basic.get_attr("TCA_STATS_BASIC") or {}
+        qs = basic.get_attr("TCA_STATS_QUEUE") or {}
+        st.update(bytes=int(b.get("bytes", 0)), packets=int(b.get("packets", 0)),
+                  drops=int(qs.get("drops", 0)), backlog=int(qs.get("backlog", 0)),
+                  qlen=int(qs.get("qlen", 0)))
+    raw = _hex_bytes(q.get_attr("TCA_XSTATS"))
+    if len(raw) >= _FQ_XSTATS_HEAD.size:
+        head = _FQ_XSTATS_HEAD.unpack_from(raw)
+        st.update(flows=head[8], throttled_flows=head[10])
+        if len(raw) >= _FQ_XSTATS_HEAD.size + _FQ_XSTATS_TAIL.size:
+            tail = _FQ_XSTATS_TAIL.unpack_from(raw, _FQ_XSTATS_HEAD.size)
+            st.update(horizon_drops=tail[1], band_drops=tuple(tail[4:7]),
+                      band_pkt_count=tuple(tail[7:10]))
+    return FqQdiscStats(**st)
+
+
+def _hex_bytes(v: Any) -> bytes:
+    """A pyroute2 ``hex`` attribute ("01:02:...") or raw bytes as bytes."""
+    if v is None:
+        return b""
+    if isinstance(v, (bytes, bytearray)):
+        return bytes(v)
+    try:
+        return bytes.fromhex(str(v).replace(":", ""))
+    except ValueError:
+        return b""
+
+
+# ------------------------------------------------------------------ probes
+CLONE_NEWNET = 0x40000000
+
+
+PROBE_TIMEOUT_S = 600.0  # a fresh interpreter importing pyroute2: seconds on a node,
+#                         minutes in an emulated VM on a busy host; once per process
+
+
+def probe_fq_bands() -> bool:
+    """Whether this kernel has sch_fq with priority bands (Linux >= 6.7):
+    an fq with a priomap and weights on the loopback of a network namespace
+    of a short-lived child process, read back (a kernel without bands ignores
+    the attributes).  False when the probe cannot run (no CAP_SYS_ADMIN for
+    the namespace): the caller then chooses htb.  Cached per process;
+    :func:`probe_fq` says why."""
+    return probe_fq()[0]
+
+
+@functools.lru_cache(maxsize=1)
+def probe_fq() -> tuple[bool, str]:
+    """(sch_fq has bands, what the probe found: "fq-bands", "fq-without-bands",
+    "no-fq <errno>", "no-netns", or why it could not run)."""
+    try:
+        r = subprocess.run([sys.executable, "-m", "mmmesh.dataplane._netlink", "probe-fq"],
+                           capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, f"the probe could not run: {e}"
+    out = r.stdout.strip().splitlines()
+    said = out[-1] if out else f"the probe exited {r.returncode}: {r.stderr.strip()[-200:]}"
+    return r.returncode == 0 and said == "fq-bands", said
+
+
+def _probe_fq_child() -> int:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.unshare(CLONE_NEWNET) != 0:
+        print("no-netns")
+        return 1
+    spec = FqSpec((3 << 16, 2 << 16, 1 << 16), (1,) * FQ_PRIO_SLOTS, 1_000_000, 1)
+    with Netlink() as nl:
+        idx = nl.ifindex("lo")
+        try:
+            nl.ipr.tc("replace", "fq", idx, FQ_ROOT, fq_attrs=_fq_attrs(spec))
+        except NetlinkError as e:
+            print(f"no-fq {e.code}")
+            return 1
+        _, have, _ = nl.fq_qdiscs(idx)
+        ok = have.get(0) is not None and have[0].weights == spec.weights
+    print("fq-bands" if ok else "fq-without-bands")
+    return 0
+
+
+def line_rate_bps(ifname: str, netns: str | None) -> int | None:
+    """The device's line rate (ethtool speed) in bit/s, None when it reports
+    none (veth in a netns, virtio without a speed) or lives in a named netns
+    (its sysfs is not this one's)."""
+    if netns:
+        return None
+    try:
+        with open(f"/sys/class/net/{ifname}/speed") as f:
+            mbit = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return mbit * 1_000_000 if mbit > 0 else None
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["probe-fq"]:
+        raise SystemExit(_probe_fq_child())
+    raise SystemExit("usage: python -m mmmesh.dataplane._netlink probe-fq")

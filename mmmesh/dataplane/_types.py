@@ -36,6 +36,67 @@ class HtbSpec:
 
 
 @dataclass(frozen=True)
+class FqSpec:
+    """Egress mode fq: what every sch_fq of the device gets (the same on each
+    TX queue).  ``weights``: bytes per weighted-round-robin turn of bands 0..2;
+    ``priomap``: skb->priority & 15 -> band."""
+
+    weights: tuple[int, int, int]
+    priomap: tuple[int, ...]  # 16 bands
+    horizon_us: int  # sch_fq drops what is stamped further ahead (horizon_drop)
+    default_band: int  # the default class's band: every priomap slot but ours
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"weights": list(self.weights), "priomap": list(self.priomap),
+                "horizon_us": self.horizon_us, "default_band": self.default_band}
+
+
+@dataclass(frozen=True)
+class FqQdiscStats:
+    """One sch_fq of the device as the kernel reports it (egress mode fq):
+    the root's child on TX queue ``queue`` (a single-queue device: the root)."""
+
+    queue: int
+    handle: int
+    parent: int
+    weights: tuple[int, ...] | None = None  # None: a kernel without bands
+    priomap: tuple[int, ...] | None = None
+    horizon_us: int | None = None
+    horizon_drop: bool | None = None
+    bytes: int = 0
+    packets: int = 0
+    drops: int = 0
+    backlog: int = 0
+    qlen: int = 0
+    flows: int = 0
+    throttled_flows: int = 0
+    horizon_drops: int = 0  # frames past the horizon (the pacers' over-horizon frames)
+    band_drops: tuple[int, ...] = ()
+    band_pkt_count: tuple[int, ...] = ()  # packets queued now, per band
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        out["handle"] = handle(self.handle)
+        out["parent"] = handle(self.parent)
+        return out
+
+
+@dataclass(frozen=True)
+class PacerState:
+    """One pacer of egress mode fq (a class's own, or one of its boosts')."""
+
+    class_id: int
+    level: int  # 0: the class's own pacer
+    rate_bps: int  # its rate as loaded, bit/s
+    horizon_us: int
+    ahead_ns: int  # how far its clock is ahead of now (0: idle)
+    over_horizon: int  # frames it stamped for the qdisc to drop
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class UpResult:
     """What :meth:`Dataplane.up` did."""
 
@@ -130,14 +191,19 @@ class ClassStatus:
     ingress_packets: int
     ingress_bytes: int
     htb: HtbClassStats | None
+    band: int | None = None  # egress mode fq: its sch_fq band (classid is then the priomap slot)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "id": self.id, "classid": handle(self.classid), "rank": self.rank,
             "egress_packets": self.egress_packets, "egress_bytes": self.egress_bytes,
             "ingress_packets": self.ingress_packets, "ingress_bytes": self.ingress_bytes,
             "htb": self.htb.as_dict() if self.htb is not None else {},
         }
+        if self.band is not None:
+            del out["classid"], out["htb"]
+            out["band"] = self.band
+        return out
 
 
 @dataclass(frozen=True)
@@ -155,10 +221,17 @@ class DataplaneStatus:
     flows: int = 0
     classes: list[ClassStatus] = field(default_factory=list)
     reasons: dict[str, dict[str, int]] = field(default_factory=dict)  # direction -> counts
+    egress: str = "htb"  # the egress mode the device runs: "htb" | "fq" | "none"
+    fq: list[FqQdiscStats] = field(default_factory=list)  # egress mode fq: every sch_fq
+    pacers: list[PacerState] = field(default_factory=list)  # egress mode fq: the paced leaves
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"iface": self.iface, "netns": self.netns, "pin_dir": self.pin_dir,
                                "programs": self.programs, "loaded": self.loaded}
+        if self.egress == "fq":  # (an HTB device's JSON is as it always was)
+            out["egress"] = "fq"
+            out["fq"] = [q.as_dict() for q in self.fq]
+            out["pacers"] = [p.as_dict() for p in self.pacers]
         if not self.loaded:
             out["htb"] = {handle(k): v.as_dict() for k, v in self.htb.items()}
             return out

@@ -34,7 +34,10 @@ This module is the public face; the code lives in one module per role:
   ``sla``) and of the ranges qosd may adapt it within (:class:`Adapt`,
   ``adapt``), a leaf the schema builds on;
 - ``_yaml``: the strict YAML loader, :func:`parse_policy`, :func:`load_policy`;
-- ``reference``: the reference classifier.
+- ``reference``: the reference classifier;
+- ``egress`` (a public module: ``mmmesh.policy.egress``): what the fields
+  mean in each egress mode (``htb``, ``fq``) and what a mode cannot realise
+  (``egress_errors``, ``check_egress``, ``fq_band``).
 """
 
 from ..wire import MODALITY_ALIASES

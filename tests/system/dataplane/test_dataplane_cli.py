@@ -109,3 +109,29 @@ def test_bad_policy_is_refused_with_the_field_named(tmp_path: Path) -> None:
     )
     assert out.returncode == 1
     assert "classes[2].rate" in out.stderr
+
+
+def test_classify_in_egress_mode_fq_gives_bands() -> None:
+    """``--egress fq``: the same verdicts, priority = the band's priomap slot,
+    and the four keys docs/dataplane.md adds for it."""
+    require_privileged()
+    from mmmesh import abi
+    from mmmesh.policy import load_policy
+    from mmmesh.policy.egress import fq_band
+
+    out = subprocess.run(
+        [*MMMESH, "dataplane", "classify", "--policy", POLICY, "--egress", "fq", "--json",
+         *hex_args("one flag")],
+        check=True, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    got = [json.loads(line) for line in out.stdout.strip().splitlines()]
+    fq_keys = {"band", "tstamp", "paced", "over_horizon"}
+    assert all(set(g) == JSON_KEYS | fq_keys for g in got)
+    pol = load_policy(POLICY)
+    assert [(g["class"], g["reason"]) for g in got] == [
+        ("voice", "parsed"), ("lidar", "parsed"), ("lidar", "flow_hit"),
+        ("best-effort", "malformed"), ("best-effort", "parsed"),
+    ]
+    for g in got:
+        band = fq_band(pol.class_named(g["class"]).priority)
+        assert (g["band"], g["priority"], g["classid"]) == (band, abi.FQ_PRIO_BASE + band, None)

@@ -88,10 +88,13 @@ def test_voice_protected_under_flood(demo: dict[str, Any]) -> None:
     assert on["received"] > 0 and off["received"] > 0
     assert on["loss_pct"] < 1.0, on
     assert off["p99_ms"] >= 10 * on["p99_ms"], (off["p99_ms"], on["p99_ms"])
-    # the flood really filled the mesh-off queue: voice waited behind it
-    assert off["p50_ms"] > 5.0, off
-    # and the flood was a flood: more offered than the link carries
-    assert demo["phases"]["on"]["video"]["offered_mbit_s"] > 300
+    # the flood really filled the mesh-off queue: voice waited behind it (a
+    # ratio within the run: a loaded host's sender fills it less, not never)
+    assert off["p50_ms"] >= 5 * on["p50_ms"], (off, on)
+    # and the flood was a flood: more offered than its class carried (not an
+    # absolute rate: a busy host's sender offers less than 1.5x the link)
+    video = demo["phases"]["on"]["video"]
+    assert video["offered_mbit_s"] > video["mbit_s"], video
 
 
 def test_lidar_gets_its_guarantee(demo: dict[str, Any]) -> None:
