@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 
 from mmmesh.policy import Policy, load_policy
 from testkit.policy_cases import EXAMPLE
+
+# No hypothesis test has a per-example time limit: how long an example takes is
+# the host's speed (a 200 ms deadline failed at load 20), not the property.
+settings.register_profile("mmmesh", deadline=None)
+settings.load_profile("mmmesh")
 
 
 @pytest.fixture(scope="module")
