@@ -33,7 +33,12 @@ every run.  By default (``--bytecode cache``) the children get a private
 run), so every variant runs from bytecode as when installed and nothing is
 written to the work tree; ``--bytecode env`` leaves the environment as it is.
 
-Prints a table of p50/p99 ms, writes out/bench/ctl_startup.json (atomically).
+Prints a table of p50/p99 ms and each p99 over ``python -c pass``'s (issue
+18's target: ``mmmeshctl policy apply`` p99 <= 2x ``python -c pass``'s on the
+same host), writes out/bench/ctl_startup.json (atomically).  With
+``--callgrind``, each command is also run once under ``valgrind
+--tool=callgrind`` (after its warm-up): the instructions it executes, a count
+that a busy host does not move, and their ratio to ``python -c pass``'s.
 """
 
 from __future__ import annotations
@@ -89,10 +94,15 @@ def ctl_argv() -> list[str]:
 
 
 def before_argv(rev: str, tmp: Path) -> list[str]:
-    """``mmmeshctl.main`` of git revision ``rev``: its ``mmmesh`` package is
-    extracted into ``tmp`` and imported from there, as the console script does."""
+    """``mmmeshctl.main`` of git revision ``rev``: its ``mmmesh`` and
+    ``mmmeshctl`` packages are extracted into ``tmp`` and imported from there,
+    as the console script does."""
     dest = tmp / "before"
-    tar = subprocess.run(["git", "archive", "--format=tar", rev, "mmmesh"], cwd=ROOT,
+    # the CLI's own package (mmmeshctl/, once it left mmmesh/) and the library
+    names = subprocess.run(["git", "ls-tree", "--name-only", rev], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    paths = [p for p in ("mmmesh", "mmmeshctl") if p in names]
+    tar = subprocess.run(["git", "archive", "--format=tar", rev, *paths], cwd=ROOT,
                          check=True, capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(tar)) as tf:  # our own repository's files
         if hasattr(tarfile, "data_filter"):
@@ -121,7 +131,18 @@ def expect_json(r: subprocess.CompletedProcess[str]) -> None:
         raise SystemExit(f"unexpected status: {r.stdout[:500]}")
 
 
-def run(runs: int, before_rev: str | None, bytecode: str) -> dict[str, Any]:
+def instructions(argv: list[str], env: dict[str, str], out: Path) -> int:
+    """Instructions one run of ``argv`` executes (callgrind)."""
+    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *argv],
+                   capture_output=True, text=True, env=env, cwd=ROOT, check=False, timeout=300)
+    for line in out.read_text().splitlines():
+        if line.startswith(("summary:", "totals:")):
+            return int(line.split()[1])
+    raise RuntimeError(f"no callgrind totals for {argv}")
+
+
+def run(runs: int, before_rev: str | None, bytecode: str,
+        callgrind: bool = False) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MMMESH_")}
     with tempfile.TemporaryDirectory(prefix="ctl-startup-") as d:
         tmp = Path(d)
@@ -160,12 +181,22 @@ def run(runs: int, before_rev: str | None, bytecode: str) -> dict[str, Any]:
                     check(r)
                     if i:
                         times[label].append(dt)
+            counted: dict[str, int] = {}
+            if callgrind:
+                for label, (argv, _) in variants.items():
+                    counted[label] = instructions(argv, env, tmp / "callgrind.out")
         finally:
             server.stop()
+    results = {k: {**stats(v), "samples_ms": [round(x, 2) for x in v]} for k, v in times.items()}
+    floor = results["python -c pass"]
+    for k, r in results.items():
+        r["p99_vs_python"] = round(r["p99_ms"] / floor["p99_ms"], 2)
+        r["p50_vs_python"] = round(r["p50_ms"] / floor["p50_ms"], 2)
+        if counted:
+            r["instructions"] = counted[k]
+            r["instructions_vs_python"] = round(counted[k] / counted["python -c pass"], 2)
     return {"runs": runs, "ctl": " ".join(ctl_argv()[1:]), "before_rev": before_rev,
-            "bytecode": bytecode,
-            "results": {k: {**stats(v), "samples_ms": [round(x, 2) for x in v]}
-                        for k, v in times.items()}}
+            "bytecode": bytecode, "load": os.getloadavg(), "results": results}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bytecode", choices=("cache", "env"), default="cache",
                     help="cache: run from .pyc files in a private PYTHONPYCACHEPREFIX, as an "
                          "installed CLI does (default); env: the environment as it is")
+    ap.add_argument("--callgrind", action="store_true",
+                    help="also count each command's instructions once (valgrind callgrind)")
     ap.add_argument("--out", default=str(ROOT / "out" / "bench" / "ctl_startup.json"))
     a = ap.parse_args(argv)
     if a.runs < 1:
@@ -183,13 +216,23 @@ def main(argv: list[str] | None = None) -> int:
     if a.before_rev and shutil.which("git") is None:
         ap.error("--before-rev needs git")
 
-    r = run(a.runs, a.before_rev, a.bytecode)
+    r = run(a.runs, a.before_rev, a.bytecode, a.callgrind)
+    load = r["load"]
     print(f"whole-process wall time, {a.runs} runs each (qosd API on a unix socket, "
-          f"in-test StoreService; bytecode: {a.bytecode})")
+          f"in-test StoreService; bytecode: {a.bytecode}); load average "
+          f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}")
     width = max(len(k) for k in r["results"]) + 2
-    print(f"  {'command':<{width}}{'p50 ms':>9}{'p99 ms':>9}")
+    print(f"  {'command':<{width}}{'p50 ms':>9}{'p99 ms':>9}{'p99/pass':>10}"
+          + (f"{'M instr':>10}{'/pass':>7}" if a.callgrind else ""))
     for label, s in r["results"].items():
-        print(f"  {label:<{width}}{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}")
+        print(f"  {label:<{width}}{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}"
+              f"{s['p99_vs_python']:>10.2f}"
+              + (f"{s['instructions'] / 1e6:>10.0f}{s['instructions_vs_python']:>7.2f}"
+                 if a.callgrind else ""))
+    apply_r = r["results"]["mmmeshctl policy apply"]
+    print(f"  target: mmmeshctl policy apply p99 <= 2x python -c pass: "
+          f"{'PASS' if apply_r['p99_vs_python'] <= 2.0 else 'MISS'} "
+          f"({apply_r['p99_vs_python']:.2f}x)")
     write_json(Path(a.out), {
         "bench": "ctl_startup",
         "host": {"kernel": platform.release(), "cpus": os.cpu_count(),

@@ -56,7 +56,22 @@ bench/ctl_startup.py measures whole ``mmmeshctl`` processes against qosd's API.
 
 from __future__ import annotations
 
-from ._app import app, main
+from typing import TYPE_CHECKING, Any
+
+from ._app import main
 from ._exit import EXIT
 
+if TYPE_CHECKING:
+    import typer
+
+    app: typer.Typer
+
 __all__ = ["EXIT", "app", "main"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":  # the typer app, built on first use (``_app.py``)
+        from ._app import app
+
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

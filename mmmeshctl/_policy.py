@@ -3,14 +3,12 @@ mesh-wide (``apply --cluster``, ``rollout``: mmmeshctl/_cluster_policy.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
-from ._client import Conn, RequestLost, conn_of
+from ._apply import apply_policy, default_author, read_file
+from ._client import conn_of
 from ._cluster_policy import apply_cluster, show_rollout
 from ._exit import EXIT, fail
 from ._fast import FastCommand, FastGroup
@@ -41,33 +39,9 @@ AuthorOpt = Annotated[str | None, typer.Option(
     "--author", help="recorded with the version \\[default: user@host]")]
 
 
-def _read_file(path: str) -> str:
-    """The file's text ('-' = stdin); exit 2 when unreadable, 3 when not UTF-8."""
-    try:
-        if path == "-":
-            data = sys.stdin.buffer.read()
-        else:
-            with open(path, "rb") as f:
-                data = f.read()
-    except OSError as e:
-        fail(EXIT.USAGE, f"error: cannot read {path}: {e.strerror or e}")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        fail(EXIT.REJECTED, f"error: policy rejected: {path} is not UTF-8 text "
-                            f"({e.reason} at byte {e.start})")
-
-
-def _default_author() -> str:
-    """``user@host``, the user who ran sudo when there is one."""
-    import getpass
-    import socket
-
-    user = os.environ.get("SUDO_USER") or ""
-    if not user:
-        with contextlib.suppress(Exception):
-            user = getpass.getuser()
-    return f"{user or 'unknown'}@{socket.gethostname()}"
+# (typer-free, shared with the quick path: mmmeshctl/_apply.py)
+_read_file = read_file
+_default_author = default_author
 
 
 @policy_app.command(cls=FastCommand, name="apply")
@@ -99,50 +73,7 @@ def policy_apply(
             fail(EXIT.USAGE, "error: --base-version is a node's version; with --cluster "
                              "use the API's base_version (a mesh version, e.g. 12@node-a)")
         apply_cluster(conn_of(ctx), text, author or _default_author(), wait)
-    body = {"yaml": text, "base_version": base_version, "author": author or _default_author()}
-    conn = conn_of(ctx)
-    try:
-        res = conn.request("PUT", "/v1/policy", json_body=body, may_be_lost=True)
-    except RequestLost as lost:
-        _apply_outcome(conn, text, lost.reason)
-    rec = res.get("reconcile") or {}
-    typer.echo(f"policy applied: version {res['version']} "
-               f"(reconciled in {float(rec.get('duration_s', 0.0)) * 1000:.0f} ms)")
-    if rec and not rec.get("ok", True):
-        fail(EXIT.OTHER, f"warning: reconcile reported a problem: {rec.get('error')}")
-
-
-OUTCOME_WAIT_S = 30.0  # qosd restarts under systemd in a few seconds (RestartSec=2s)
-
-
-def _apply_outcome(conn: Conn, text: str, reason: str) -> NoReturn:
-    """The connection broke after the policy was sent (qosd restarted, or the
-    socket went away mid-answer): ask qosd, once it answers again, whether
-    the policy in force is the one sent, and say which.  Exit 0 when it is,
-    5 when it is not or qosd stays unreachable."""
-    import time
-
-    typer.echo(f"warning: lost the connection to qosd during the apply ({reason}); "
-               "checking whether it went through", err=True)
-    deadline = time.monotonic() + OUTCOME_WAIT_S
-    while True:
-        diff = conn.try_request("POST", "/v1/policy/diff", json_body={"yaml": text})
-        status = conn.try_request("GET", "/v1/status") if diff is not None else None
-        if diff is not None and status is not None:
-            cur = status.get("policy_version")
-            break
-        if time.monotonic() > deadline:
-            fail(EXIT.UNREACHABLE, f"error: qosd did not answer again within "
-                                   f"{OUTCOME_WAIT_S:g}s: whether the policy was applied "
-                                   "is unknown (see mmmeshctl policy get)")
-        time.sleep(0.5)
-    if not diff.get("changed", True):
-        typer.echo(f"policy applied: version {cur} is current and is the policy sent "
-                   "(the answer was lost, the apply was not)")
-        raise SystemExit(0)
-    fail(EXIT.UNREACHABLE, f"error: the policy was NOT applied: version {cur} is still "
-                           "current (qosd stopped before it committed the new one); "
-                           "apply it again")
+    apply_policy(conn_of(ctx), text, base_version, author)
 
 
 @policy_app.command(cls=FastCommand, name="get")

@@ -179,7 +179,7 @@ def frame(h: Header, payload: Buffer = b"", *, align: int = 1) -> list[bytes | m
     ``payload_len`` in the header is set to the payload size.
     """
     view = memoryview(byte_view(payload))
-    hdr = encode_header(h, align=align, payload_len=len(view))
+    hdr = _py_encode_header(h, align=align, payload_len=len(view))
     return [hdr, view]
 
 
@@ -366,7 +366,7 @@ def decode_frame(buf: Buffer) -> tuple[Header, memoryview]:
     bytes is ``truncated payload`` at the number of bytes available.
     """
     view = memoryview(byte_view(buf))
-    h = decode_header(view)
+    h = _py_decode_header(view)
     start = h.hdr_len or MMH_PREAMBLE_LEN
     end = start + h.payload_len
     if end > len(view):
@@ -389,3 +389,47 @@ def peek_class_inputs(buf: Buffer) -> tuple[int, int]:
     return buf[MMH_OFF_MODALITY], buf[MMH_OFF_CLASS]
 
 
+
+
+# --------------------------------------------------------------------------
+# The compiled fast path
+# --------------------------------------------------------------------------
+# mmmesh/wire/_cwire.c implements decode_header, decode_frame, encode_header
+# and frame for the inputs they accept and calls the functions above (the
+# reference) for anything else, so results and errors are theirs
+# (tests/mmmesh/wire/test_wire_fast.py holds the two byte for byte).  It is
+# built at install when a C compiler is there (pyproject.toml); without it,
+# or with MMMESH_WIRE=python in the environment, the functions above run.
+_py_decode_header = decode_header
+_py_decode_frame = decode_frame
+_py_encode_header = encode_header
+_py_frame = frame
+IMPLEMENTATION = "python"
+"""Which codec this process runs: ``"c"`` (the compiled path) or ``"python"``."""
+
+
+def _select() -> None:
+    global decode_header, decode_frame, encode_header, frame, IMPLEMENTATION
+    import os
+
+    if os.environ.get("MMMESH_WIRE", "").lower() == "python":
+        return
+    import importlib
+
+    try:
+        # by name, not an import statement: the extension imports nothing of
+        # this package (setup() hands it the classes and the reference
+        # functions), so there is no circle through mmmesh.wire
+        _cwire = importlib.import_module("mmmesh.wire._cwire")
+    except ImportError:
+        return
+    _cwire.setup(Header, TensorSpec, _py_decode_header, _py_decode_frame, _py_encode_header,
+                 _py_frame)
+    decode_header = _cwire.decode_header
+    decode_frame = _cwire.decode_frame
+    encode_header = _cwire.encode_header
+    frame = _cwire.frame
+    IMPLEMENTATION = "c"
+
+
+_select()

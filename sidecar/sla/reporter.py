@@ -20,11 +20,14 @@ that could not be delivered is dropped, with one warning per outage.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import h11
 from ddsketch import DDSketch
 
 from mmmesh.sla import (
@@ -85,61 +88,152 @@ def reports_by_stage(series: list[tuple[Key, Window]], window_s: float, *, insta
 
 
 KEEPALIVE_S = 1.0  # reuse a connection to qosd only this long after its last use
+MAX_ANSWER_BYTES = 64 * 1024  # qosd's answers are small; a longer one is cut and the connection closed
+
+
+class _Closed(Exception):
+    """The connection ended without a whole answer (qosd closed it, or it broke)."""
+
+
+class _Conn:
+    """One HTTP/1.1 connection to qosd's unix socket (h11 speaks the protocol;
+    asyncio moves the bytes)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.h11 = h11.Connection(our_role=h11.CLIENT, max_incomplete_event_size=16 * 1024)
+        self.used = time.monotonic()
+
+    async def request(self, body: bytes) -> tuple[int, bytes]:
+        c = self.h11
+        out = c.send(h11.Request(method="POST", target=SLA_PATH, headers=[
+            ("host", "qosd"), ("user-agent", "mmmesh-sidecar"),
+            ("content-type", "application/json"), ("content-length", str(len(body)))]))
+        out += c.send(h11.Data(data=body)) + c.send(h11.EndOfMessage())
+        try:
+            self.writer.write(out)
+            await self.writer.drain()
+        except OSError as e:
+            raise _Closed(f"write: {e}") from e
+        status, answer = 0, bytearray()
+        while True:
+            try:  # a stream that ends before the answer does is a RemoteProtocolError
+                ev = c.next_event()
+            except h11.RemoteProtocolError as e:
+                raise _Closed(f"qosd's answer: {e}") from e
+            if ev is h11.NEED_DATA:
+                try:
+                    data = await self.reader.read(65536)
+                except OSError as e:
+                    raise _Closed(f"read: {e}") from e
+                c.receive_data(data)  # b"": the end of the stream
+                continue
+            if isinstance(ev, h11.ConnectionClosed):
+                raise _Closed("closed without an answer")
+            if isinstance(ev, h11.Response):
+                status = ev.status_code
+            elif isinstance(ev, h11.Data):
+                if len(answer) < MAX_ANSWER_BYTES:
+                    answer += ev.data[:MAX_ANSWER_BYTES - len(answer)]
+            elif isinstance(ev, h11.EndOfMessage):
+                self.used = time.monotonic()
+                return status, bytes(answer)
+
+    def reusable(self) -> bool:
+        """Both sides done and neither asked to close: ready for the next request."""
+        if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
+            self.h11.start_next_cycle()
+            return True
+        return False
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class QosdReporter:
     """POSTs report bodies to qosd's unix socket ``path``; counts what was
-    taken (``sent``) and what was not (``failed``)."""
+    taken (``sent``) and what was not (``failed``).
+
+    HTTP/1.1 with h11 (the protocol, sans I/O) over an asyncio unix stream: the
+    sidecar needs one small request kind, and a full HTTP client (httpx: ~0.7 s
+    of import and 7-16 MB of RSS, docs/sidecar.md "Footprint") was most of the
+    sidecar's own footprint.  One connection, kept for reuse only within
+    ``KEEPALIVE_S`` of its last answer (qosd closes one idle for 5 s); a whole
+    request, connect to answer, within ``max(0.5, min(5, interval_s))`` s."""
 
     def __init__(self, path: Path, interval_s: float) -> None:
         self.path = path
         self.interval_s = interval_s
+        self.timeout_s = max(0.5, min(5.0, interval_s))
         self.sent = 0
         self.failed = 0
-        self.retried = 0  # reports sent again after a closed kept-alive connection
+        self.retried = 0  # reports sent again after a connection closed without an answer
         self._failing: str | None = None  # the kind of failure while qosd refuses / is away
-        self._client: httpx.AsyncClient | None = None
+        self._open = False
+        self._conn: _Conn | None = None
 
     @property
     def is_open(self) -> bool:
-        return self._client is not None
+        return self._open
 
     def open(self) -> None:
-        if self._client is None:
-            # qosd closes a connection idle for 5 s (qosd/httpd/http11.py): reuse one
-            # only within KEEPALIVE_S of its last answer, well before that
-            self._client = httpx.AsyncClient(
-                transport=httpx.AsyncHTTPTransport(
-                    uds=str(self.path),
-                    limits=httpx.Limits(max_connections=1, keepalive_expiry=KEEPALIVE_S)),
-                base_url="http://qosd", timeout=max(0.5, min(5.0, self.interval_s)),
-                headers={"user-agent": "mmmesh-sidecar"},
-            )
+        self._open = True
 
     async def aclose(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
+        self._open = False
+        self._drop()
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    async def _connection(self) -> _Conn:
+        conn = self._conn
+        if conn is not None and time.monotonic() - conn.used <= KEEPALIVE_S:
+            return conn
+        self._drop()
+        reader, writer = await asyncio.open_unix_connection(str(self.path), limit=65536)
+        self._conn = _Conn(reader, writer)
+        return self._conn
+
+    async def _send(self, body: bytes) -> tuple[int, bytes]:
+        conn = await self._connection()
+        try:
+            status, answer = await conn.request(body)
+        except BaseException:
+            self._drop()
+            raise
+        if not conn.reusable():
+            self._drop()
+        return status, answer
 
     async def post(self, body: dict[str, Any]) -> bool:
         """True when qosd took the report; False when it failed or refused it
         (or the reporter is closed)."""
-        if self._client is None:
+        if not self._open:
             return False
         try:
-            try:
-                r = await self._client.post(SLA_PATH, json=body)
-            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-                # a kept-alive connection qosd closed as we sent on it: once more on
-                # a new one (a report replaces its own window: a repeat is harmless)
-                self.retried += 1
-                r = await self._client.post(SLA_PATH, json=body)
-        except httpx.HTTPError as e:
-            self._failed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
-                         kind=type(e).__name__)
+            data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+        except (TypeError, ValueError) as e:
+            self._failed(f"cannot encode the report: {e}", kind="encode")
             return False
-        if r.status_code >= 300:
-            self._failed(f"HTTP {r.status_code}: {r.text[:300]}", kind=str(r.status_code))
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                try:
+                    status, answer = await self._send(data)
+                except _Closed:
+                    # a connection qosd closed as we sent on it: once more on a new
+                    # one (a report replaces its own window: a repeat is harmless)
+                    self.retried += 1
+                    status, answer = await self._send(data)
+        except (OSError, _Closed, TimeoutError) as e:
+            kind = "Timeout" if isinstance(e, TimeoutError) else type(e).__name__
+            self._failed(f"{kind}: {e}" if str(e) else kind, kind=kind)
+            return False
+        if status >= 300:
+            self._failed(f"HTTP {status}: {answer[:300].decode(errors='replace')}",
+                         kind=str(status))
             return False
         self.sent += 1
         if self._failing is not None:

@@ -24,13 +24,28 @@ Conventions:
 * Sketches are ddsketch objects while they are live (they keep the exact
   max); windows merge into the totals with ddsketch's own merge, bin by bin
   like ``mmmesh.sla.SketchSum``.
+
+The per-frame cost: :meth:`SlaWindows.record` only appends the sample to a
+buffer (thread-safe, no lock, ~0.1 µs); the buffer is added to the windows
+in bulk (:meth:`SlaWindows._fold`) every ``FOLD_AT`` samples and before
+anything reads them (``close``, ``current``, ``scrape``), so what a reader
+sees is every sample recorded before it asked, as before.  In bulk a
+series' values cost ~1.5 µs a frame instead of ~5.5 µs: one lock and one
+dictionary lookup for the lot, a sketch's keys counted first and each bin
+added to once, with ddsketch's own key arithmetic and in the order
+ddsketch would have grown its bins (:func:`add_values`; tests hold it equal
+to ``DDSketch.add`` one value at a time).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 import time
+from collections import Counter as _KeyCount
+from collections import deque
+from collections.abc import Sequence
 
 from ddsketch import DDSketch
 
@@ -38,7 +53,8 @@ from mmmesh.sla import MAX_SAMPLE_MS, attainment, new_sketch
 
 from ..contract import SlaSample
 
-__all__ = ["BUCKETS_S", "MAX_MS", "Counts", "Hist", "Key", "SlaWindows", "Window"]
+__all__ = ["BUCKETS_S", "FOLD_AT", "MAX_MS", "Counts", "Hist", "Key", "SlaWindows", "Window",
+           "add_values"]
 
 MAX_MS = MAX_SAMPLE_MS  # one hour: larger values are clamped (bounds the sketches' keys)
 # 0.1 ms .. 10 s; denser where real-time classes set their deadlines (10-300 ms)
@@ -51,12 +67,85 @@ _BUCKETS_MS: tuple[float, ...] = tuple(b * 1000.0 for b in BUCKETS_S)
 Key = tuple[str, str, str]  # (stage, sla_class, modality)
 
 
+FOLD_AT = 512
+"""Samples buffered before they are added to the windows (also before any read)."""
+
+
 def _ms(ns: int) -> float:
     """Nanoseconds -> milliseconds within [0, MAX_MS]."""
     v = ns * 1e-6
     if v < 0.0:
         return 0.0
     return min(v, MAX_MS)
+
+
+def _ms_all(ns: Sequence[int]) -> list[float]:
+    """``[_ms(x) for x in ns]``, inlined."""
+    out = []
+    for x in ns:
+        v = x * 1e-6
+        out.append(0.0 if v < 0.0 else min(v, MAX_MS))
+    return out
+
+
+def _fast_adder_works() -> bool:
+    """ddsketch's insides that :func:`add_values` uses are there and give
+    what ``DDSketch.add`` gives (checked once, at import)."""
+    try:
+        a, b = new_sketch(), new_sketch()
+        m = a._mapping
+        if not (hasattr(m, "_multiplier") and hasattr(m, "_offset") and hasattr(m, "min_possible")
+                and hasattr(a, "_store") and hasattr(a._store, "bins")):
+            return False
+        vals = [0.0, 5.0, 0.25, 1e-9, 3600000.0, 5.0, 12.5, 0.0, 7e-4, 250.0]
+        for v in vals:
+            a.add(v)
+        _bulk_add(b, vals)
+        return bool(a._store.bins == b._store.bins and a._store.offset == b._store.offset
+                    and a._store.min_key == b._store.min_key
+                    and a._store.max_key == b._store.max_key and a._count == b._count
+                    and a._sum == b._sum and a._min == b._min and a._max == b._max
+                    and a._zero_count == b._zero_count and a._store.count == b._store.count)
+    except Exception:  # noqa: BLE001 - another ddsketch: the public add() is used
+        return False
+
+
+def _bulk_add(sk: DDSketch, vals: Sequence[float]) -> None:
+    m = sk._mapping
+    minpos = m.min_possible
+    mult = m._multiplier
+    off = m._offset
+    log, ceil = math.log, math.ceil
+    if off == 0.0:  # (int(ceil(x) + 0.0) is ceil(x))
+        keys = [ceil(log(v, 2) * mult) for v in vals if v > minpos]
+    else:
+        keys = [int(ceil(log(v, 2) * mult) + off) for v in vals if v > minpos]
+    store = sk._store
+    for key, n in _KeyCount(keys).items():  # in the order ddsketch would have met them
+        store.add(key, float(n))
+    zero = len(vals) - len(keys)
+    if zero:
+        sk._zero_count += float(zero)
+    sk._count += float(len(vals))
+    total = sk._sum
+    for v in vals:  # one by one, as add() sums them
+        total += v
+    sk._sum = total
+    lo, hi = min(vals), max(vals)
+    sk._min = min(sk._min, lo)
+    sk._max = max(sk._max, hi)
+
+
+def add_values(sk: DDSketch, vals: Sequence[float]) -> None:
+    """``for v in vals: sk.add(v)`` for values >= 0, in bulk: the same bins,
+    count, sum, min and max (see the module)."""
+    if not vals:
+        return
+    if _FAST_ADD:
+        _bulk_add(sk, vals)
+    else:
+        for v in vals:
+            sk.add(v)
 
 
 class Counts:
@@ -81,6 +170,25 @@ class Counts:
             self.drops += 1
         if s.error:
             self.errors += 1
+
+    def add_all(self, samples: Sequence[SlaSample], also: Counts | None = None) -> None:
+        """``add(s)`` for each sample (into ``also`` as well)."""
+        misses = met = drops = errors = 0
+        for s in samples:
+            if s.deadline_missed:
+                misses += 1
+            elif not s.dropped:
+                met += 1
+            if s.dropped:
+                drops += 1
+            if s.error:
+                errors += 1
+        for c in (self, also) if also is not None else (self,):
+            c.frames += len(samples)
+            c.misses += misses
+            c.met += met
+            c.drops += drops
+            c.errors += errors
 
     def copy(self) -> Counts:
         c = Counts()
@@ -109,6 +217,16 @@ class Hist:
         self.buckets[bisect.bisect_left(_BUCKETS_MS, v)] += 1
         self.n += 1
         self.sum_ms += v
+
+    def add_all(self, vals: Sequence[float]) -> None:
+        """``add(v)`` for each value."""
+        buckets, where, bounds = self.buckets, bisect.bisect_left, _BUCKETS_MS
+        total = self.sum_ms
+        for v in vals:
+            buckets[where(bounds, v)] += 1
+            total += v
+        self.sum_ms = total
+        self.n += len(vals)
 
     def copy(self) -> Hist:
         h = Hist()
@@ -160,8 +278,8 @@ class _Open(Window):
 
 class SlaWindows:
     """Every series' open window and totals.  ``record()`` is thread-safe and
-    costs a few microseconds (one lock, three sketch inserts, three bucket
-    increments); the other methods copy what they return."""
+    costs ~0.1 µs (the sample is buffered; see the module); the other methods
+    copy what they return."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # open windows, counts and histograms
@@ -169,13 +287,35 @@ class SlaWindows:
         self._totals: dict[Key, _Total] = {}
         self._open: dict[Key, _Open] = {}
         self._last_attainment: dict[Key, float] = {}
+        self._pending: deque[SlaSample] = deque()  # recorded, not yet in the windows
         self.created = self._opened = time.monotonic()
 
     # ------------------------------------------------------------------ hot path
     def record(self, s: SlaSample) -> None:
-        key = (s.stage, s.sla_class, s.modality)
-        q = _ms(s.queue_ns)
-        with self._lock:
+        pending = self._pending
+        pending.append(s)  # (deque.append: atomic, any thread)
+        if len(pending) >= FOLD_AT:
+            with self._lock:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Adds the buffered samples to their series' open window and totals
+        (under ``_lock``; every reader calls it first)."""
+        pending = self._pending
+        n = len(pending)
+        if not n:
+            return
+        take = pending.popleft
+        by_key: dict[Key, list[SlaSample]] = {}
+        for _ in range(n):  # (samples appended meanwhile wait for the next fold)
+            s = take()
+            key = (s.stage, s.sla_class, s.modality)
+            group = by_key.get(key)
+            if group is None:
+                by_key[key] = [s]
+            else:
+                group.append(s)
+        for key, samples in by_key.items():
             w = self._open.get(key)
             if w is None:
                 t = self._totals.get(key)
@@ -183,19 +323,21 @@ class SlaWindows:
                     t = self._totals[key] = _Total()
                 w = self._open[key] = _Open(t)
             t = w.total
-            w.counts.add(s)
-            t.counts.add(s)
-            w.queue.add(q)
-            t.queue.add(q)
-            if s.dropped:
-                return
-            v = _ms(s.service_ns)
-            w.service.add(v)
-            t.service.add(v)
-            if s.e2e_ns is not None:
-                v = _ms(s.e2e_ns)
-                w.e2e.add(v)
-                t.e2e.add(v)
+            w.counts.add_all(samples, t.counts)
+            q = _ms_all([s.queue_ns for s in samples])
+            add_values(w.queue, q)
+            t.queue.add_all(q)
+            served = [s for s in samples if not s.dropped]
+            if not served:
+                continue
+            v = _ms_all([s.service_ns for s in served])
+            add_values(w.service, v)
+            t.service.add_all(v)
+            e2e = [s.e2e_ns for s in served if s.e2e_ns is not None]
+            if e2e:
+                v = _ms_all(e2e)
+                add_values(w.e2e, v)
+                t.e2e.add_all(v)
 
     # ------------------------------------------------------------------ windows
     def close(self) -> tuple[list[tuple[Key, Window]], float]:
@@ -205,6 +347,7 @@ class SlaWindows:
         keeps each series' attainment for :meth:`scrape`."""
         now = time.monotonic()
         with self._lock:
+            self._fold()
             closed, self._open = self._open, {}
             keys = sorted(self._totals)
             started, self._opened = self._opened, now
@@ -221,6 +364,7 @@ class SlaWindows:
         ``cumulative``, everything since start instead (length: the age)."""
         now = time.monotonic()
         with self._lock:  # copies: sketches are small
+            self._fold()
             cur: dict[Key, Window] = {}
             for key, w in self._open.items():
                 cp = cur[key] = Window(w.counts.copy())
@@ -245,6 +389,7 @@ class SlaWindows:
         (of the open one before any closed)."""
         out: list[tuple[Key, Counts, tuple[Hist, Hist, Hist], float]] = []
         with self._lock:
+            self._fold()
             for key, t in self._totals.items():
                 att = self._last_attainment.get(key)
                 if att is None:
@@ -253,3 +398,6 @@ class SlaWindows:
                 out.append((key, t.counts.copy(),
                             (t.queue.copy(), t.service.copy(), t.e2e.copy()), att))
         return out
+
+
+_FAST_ADD = _fast_adder_works()

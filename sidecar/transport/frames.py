@@ -63,9 +63,12 @@ class Framed:
 
     def __init__(self, header: Header, bufs: list[Any]) -> None:
         self.header = header
-        self.bufs = [b if isinstance(b, memoryview) else memoryview(b) for b in bufs if len(b)]
-        self.views = list(self.bufs)
-        self.total = sum(len(b) for b in self.bufs)
+        self.bufs = [b if type(b) is memoryview else memoryview(b) for b in bufs if len(b)]
+        self.views = self.bufs[:]
+        total = 0
+        for b in self.bufs:
+            total += len(b)
+        self.total = total
 
     def consume(self, n: int) -> int:
         """Marks up to ``n`` bytes written; returns the bytes left over."""
@@ -146,6 +149,53 @@ class FrameQueue(asyncio.Queue):  # type: ignore[type-arg]
         of its lanes' bounds)."""
         self._put(item)
         self._unfinished_tasks += 1  # type: ignore[attr-defined]
+        self._finished.clear()  # type: ignore[attr-defined]
+        self._wakeup_next(self._getters)  # type: ignore[attr-defined]
+
+    def offer(self, item: Any) -> bool:
+        """``put_nowait(item)`` when there is room (True), else False: one
+        call for what a receiver does per frame."""
+        if self.full():
+            return False
+        self._queue.append(item)  # type: ignore[attr-defined]
+        self.bytes += self._size(item)
+        self._unfinished_tasks += 1  # type: ignore[attr-defined]
+        self._finished.clear()  # type: ignore[attr-defined]
+        self._wakeup_next(self._getters)  # type: ignore[attr-defined]
+        return True
+
+    def take_nowait(self, n: int) -> list[Any]:
+        """Up to ``n`` items at once, oldest first (``get_nowait`` for each;
+        the producers waiting for room are woken once, as many as now fit)."""
+        dq = self._queue  # type: ignore[attr-defined]
+        size = self._size
+        out: list[Any] = []
+        while dq and len(out) < n:
+            item = dq.popleft()
+            self.bytes -= size(item)
+            out.append(item)
+        if out:
+            while self._putters and not self.full():  # type: ignore[attr-defined]
+                self._wakeup_next(self._putters)  # type: ignore[attr-defined]
+        return out
+
+    def done(self, n: int) -> None:
+        """``task_done()`` ``n`` times."""
+        if n > self._unfinished_tasks:  # type: ignore[attr-defined]
+            raise ValueError("task_done() called too many times")
+        self._unfinished_tasks -= n  # type: ignore[attr-defined]
+        if self._unfinished_tasks == 0:  # type: ignore[attr-defined]
+            self._finished.set()  # type: ignore[attr-defined]
+
+    def force_put_front(self, items: list[Any]) -> None:
+        """Puts ``items`` ahead of everything queued, in order, even when the
+        queue is full: frames a sender started to write itself and could not
+        finish (they were within the queue's bound when they were taken)."""
+        dq = self._queue  # type: ignore[attr-defined]
+        for item in reversed(items):
+            dq.appendleft(item)
+            self.bytes += self._size(item)
+        self._unfinished_tasks += len(items)  # type: ignore[attr-defined]
         self._finished.clear()  # type: ignore[attr-defined]
         self._wakeup_next(self._getters)  # type: ignore[attr-defined]
 

@@ -202,6 +202,64 @@ class Lane:
         self._sent(f)
         return True, None
 
+    def write_frames(self, items: list[tuple[Header, Any, int]]) -> None:
+        """``write_now`` for several frames ``(header, payload, nbytes)`` of an
+        idle lane: one ``sendmsg`` from the caller; what the socket buffer did
+        not take (the first frame maybe partly written), or everything when
+        the lane is not connected or the call failed, goes to the front of
+        the lane's queue, in order, for the writer (which finishes a partly
+        written frame first and reports errors as usual).  Frames written
+        whole cost no ``Framed`` (one per frame only for what is left)."""
+        sock = self._sock
+        if sock is None or self._dead:
+            self.queue.force_put_front([OutFrame(h, p, nb) for h, p, nb in items])
+            return
+        views: list[Any] = []
+        bufs: list[list[Any]] = []
+        for header, payload, _ in items:
+            try:
+                b = frame(header, payload)
+            except Exception:  # noqa: BLE001  (WireError, not a buffer: the writer reports it)
+                break
+            bufs.append(b)
+            views += b
+        n = 0
+        if bufs:
+            try:
+                n = sock.sendmsg(views, (), socket.MSG_NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except Exception:  # noqa: BLE001  (OSError...: the writer deals with it)
+                bufs = []
+            else:
+                self.owner.totals.writes += 1
+        done = sent = 0
+        for b in bufs:
+            size = len(b[0]) + len(b[1])
+            if n < size:
+                break
+            n -= size
+            sent += size
+            done += 1
+        if done:
+            c, oc = self.counters, self.owner.totals
+            c.frames_out += done
+            c.bytes_out += sent
+            oc.frames_out += done
+            oc.bytes_out += sent
+            if done == len(items):
+                return
+        left = []
+        for i in range(done, len(items)):
+            h, p, nb = items[i]
+            f = None
+            if i < len(bufs):  # framed already (the first maybe partly written)
+                f = Framed(h, bufs[i])
+                if i == done and n:
+                    f.consume(n)
+            left.append(OutFrame(h, p, nb, f))
+        self.queue.force_put_front(left)
+
     def _sent(self, f: Framed) -> None:
         c, oc = self.counters, self.owner.totals
         c.frames_out += 1

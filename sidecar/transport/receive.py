@@ -1,19 +1,23 @@
 """The receive side of a sidecar: ``FrameServer`` takes MMH frames over TCP
 (and UDP) into the inbound ``FrameQueue``.
 
-TCP, per connection: non-blocking socket + ``loop.sock_recv_into``.  Headers
-are read into a 64 KiB staging buffer (several small frames per ``recv``); a
-payload that is already in the staging buffer is copied out once; one that is
-not is read by the kernel straight into a buffer allocated for it
-(``recv_into``), so every payload byte is copied at most once in user space.
-Those buffers come from a ``BufferPool`` and are reused once nothing refers to
-them any more (no page faults per frame; see ``sidecar/bufpool.py``).
+TCP, per connection: an ``asyncio.BufferedProtocol`` on the loop's own
+transport (with uvloop, libuv reads the socket into the buffer the protocol
+names: one ``read`` per readable event, no per-read registration of the
+socket, no future and no task step per read; ``loop.sock_recv_into`` costs
+four system calls and a task wake-up per read).  Headers are read into a
+64 KiB staging buffer (several small frames per read); a payload that is
+already in the staging buffer is copied out once; one that is not is read by
+the kernel straight into a buffer allocated for it, so every payload byte is
+copied at most once in user space.  Those buffers come from a ``BufferPool``
+and are reused once nothing refers to them any more (no page faults per
+frame; see ``sidecar/bufpool.py``).
 
 A complete frame goes to the queue (bounded in frames and in payload bytes).
-When the queue is full the connection's coroutine waits in ``queue.put`` and
-does not read: the kernel's receive window fills and TCP flow control stops
-the sender.  Frames the ``realtime`` predicate selects are dropped (and
-counted) instead.
+When the queue is full the connection stops reading (``pause_reading``) and
+waits in ``queue.put`` for room: the kernel's receive window fills and TCP
+flow control stops the sender.  Frames the ``realtime`` predicate selects are
+dropped (and counted) instead.
 
 A connection that sends a malformed header, a ``payload_len`` over
 ``limits.max_frame_bytes``, ends mid-frame, or makes no progress mid-frame for
@@ -52,7 +56,8 @@ log = logging.getLogger("mmmesh.sidecar.transport")
 STAGING_BYTES = 64 * 1024
 _PREAMBLE = _abi.MMH_PREAMBLE_LEN
 _MAGIC_V1 = _abi.MMH_MAGIC + bytes([_abi.MMH_VERSION])
-_PLEN = struct.Struct("!I")
+_PRE = struct.Struct("!IB3xI")  # magic+version, hdr_len, (modality, class, flags), payload_len
+_MAGIC_V1_U32 = _abi.MMH_MAGIC_V1_U32
 _EMPTY = memoryview(b"")
 
 
@@ -110,31 +115,6 @@ class _Close(Exception):
         self.detail = detail
 
 
-class _Conn:
-    """One inbound TCP connection: its task and its read-timeout state."""
-
-    __slots__ = (
-        "idle",
-        "kill_reason",
-        "last_progress",
-        "mid_frame",
-        "peer",
-        "sock",
-        "task",
-        "timer",
-    )
-
-    def __init__(self, sock: socket.socket, peer: str) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.task: asyncio.Task[None] | None = None
-        self.mid_frame = False  # waiting for the rest of a frame (stall timer applies)
-        self.idle = False  # waiting for the first byte of the next frame
-        self.last_progress = 0.0
-        self.timer: asyncio.TimerHandle | None = None
-        self.kill_reason: str | None = None
-
-
 DropHook = Callable[[InFrame, str], None]  # (the dropped frame, "overload")
 
 
@@ -172,6 +152,7 @@ class FrameServer:
         self.udp_port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.pool = BufferPool(limits.buffer_pool_mb << 20)
+        self._queue_offer = getattr(queue, "offer", None)  # a FrameQueue's: one call a frame
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -210,21 +191,18 @@ class FrameServer:
         seconds, then close every connection."""
         self._closing = True
         await self.stop_accepting()
-        tasks = [c.task for c in self._conns if c.task is not None]
-        for c in list(self._conns):
+        conns = list(self._conns)
+        for c in conns:
             # a connection waiting for the first byte of a frame has nothing to finish
-            if c.idle and c.task is not None:
-                c.kill_reason = "shutdown"
-                c.task.cancel()
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=max(grace, 0.0))
-            for t in pending:
-                for c in self._conns:
-                    if c.task is t:
-                        c.kill_reason = "shutdown"
-                t.cancel()
+            if c.idle:
+                c.finish("shutdown")
+        waiting = [c.done for c in conns if not c.done.done()]
+        if waiting:
+            _, pending = await asyncio.wait(waiting, timeout=max(grace, 0.0))
             if pending:
-                await asyncio.wait(pending, timeout=1.0)
+                for c in conns:
+                    if not c.done.done():
+                        c.finish("shutdown")
 
     @property
     def connections(self) -> int:
@@ -245,59 +223,19 @@ class FrameServer:
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            c = _Conn(sock, _fmt_peer(addr))
+            c = _Conn(self, _fmt_peer(addr))
             self._conns.add(c)
             self.counters.connections_total += 1
             self.counters.connections_open += 1
-            c.task = loop.create_task(self._serve_conn(c), name=f"{self.name}-conn-{c.peer}")
+            try:
+                await loop.connect_accepted_socket(lambda c=c: c, sock)  # type: ignore[misc]
+            except OSError as e:
+                c.finish("reset", detail=str(e))
+                with contextlib.suppress(OSError):
+                    sock.close()
 
-    def _progress(self, c: _Conn) -> None:
-        assert self._loop is not None
-        c.last_progress = self._loop.time()
-        if c.timer is None:
-            c.timer = self._loop.call_at(c.last_progress + self.limits.read_timeout_s,
-                                         self._check_stall, c)
-
-    def _check_stall(self, c: _Conn) -> None:
-        assert self._loop is not None
-        c.timer = None
-        if not c.mid_frame or c.task is None or c.task.done():
-            return
-        due = c.last_progress + self.limits.read_timeout_s
-        if self._loop.time() >= due:
-            c.kill_reason = "read_timeout"
-            c.task.cancel()
-        else:
-            c.timer = self._loop.call_at(due, self._check_stall, c)
-
-    async def _serve_conn(self, c: _Conn) -> None:
-        reason, malformed, detail = "eof", False, ""
-        try:
-            await self._read_frames(c)
-        except _Close as e:
-            reason, malformed, detail = e.reason, e.malformed, e.detail
-        except asyncio.CancelledError:
-            reason = c.kill_reason or "shutdown"
-            if reason == "read_timeout":
-                detail = f"no progress mid-frame for {self.limits.read_timeout_s}s"
-            elif c.kill_reason is None:
-                self._finish_conn(c, reason, False, "")
-                raise
-        except WireError as e:
-            reason, malformed, detail = wire_reason(e), True, str(e)
-        except OSError as e:
-            reason, detail = "reset", str(e)
-        except Exception as e:  # a bug must not take the server down
-            log.exception("%s: connection %s failed", self.name, c.peer)
-            reason, detail = "internal", repr(e)
-        self._finish_conn(c, reason, malformed, detail)
-
-    def _finish_conn(self, c: _Conn, reason: str, malformed: bool, detail: str) -> None:
-        if c.timer is not None:
-            c.timer.cancel()
-            c.timer = None
-        with contextlib.suppress(OSError):
-            c.sock.close()
+    def _closed(self, c: _Conn, reason: str, malformed: bool, detail: str) -> None:
+        """A connection ended (``_Conn.finish``): counted and logged."""
         if c in self._conns:
             self._conns.discard(c)
             self.counters.connections_open -= 1
@@ -310,85 +248,20 @@ class FrameServer:
         else:
             log.debug("%s: connection from %s closed: %s", self.name, c.peer, reason)
 
-    async def _read_frames(self, c: _Conn) -> None:
-        loop = asyncio.get_running_loop()
-        sock = c.sock
-        buf = bytearray(STAGING_BYTES)
-        mv = memoryview(buf)
-        start = end = 0
-        max_payload = self.limits.max_frame_bytes
-        while True:
-            # ---- hand over every complete frame in the staging buffer ----
-            while True:
-                avail = end - start
-                if avail < _PREAMBLE:
-                    if avail and buf[start:start + min(avail, 4)] != _MAGIC_V1[:min(avail, 4)]:
-                        decode_header(mv[start:end])  # raises the precise WireError
-                    break
-                if buf[start:start + 4] != _MAGIC_V1 or buf[start + 4] < _PREAMBLE:
-                    decode_header(mv[start:end])  # raises
-                hdr_len = buf[start + 4]
-                (plen,) = _PLEN.unpack_from(buf, start + 8)
-                if plen > max_payload:
-                    raise _Close("oversized", True,
-                                 f"payload_len {plen} > max_frame_bytes {max_payload}")
-                if avail < hdr_len:
-                    break
-                header = decode_header(mv[start:start + hdr_len])
-                pstart = start + hdr_len
-                have = min(plen, end - pstart)
-                if have == plen:  # whole payload staged: one copy out
-                    payload = memoryview(bytearray(mv[pstart:pstart + plen])) if plen else _EMPTY
-                    start = pstart + plen
-                    c.mid_frame = False
-                    await self._deliver(c, header, payload)
-                    continue
-                # payload not all here: read the rest straight into a buffer of
-                # its own, from the pool (no page faults on a fresh allocation)
-                pmv = self.pool.get(plen)
-                pmv[:have] = mv[pstart:pstart + have]
-                start = end = 0
-                got = have
-                c.mid_frame = True
-                self._progress(c)
-                while got < plen:
-                    n = await loop.sock_recv_into(sock, pmv[got:])
-                    if not n:
-                        raise _Close("truncated", True, f"EOF after {got} of {plen} payload bytes")
-                    got += n
-                    self._progress(c)
-                c.mid_frame = False
-                await self._deliver(c, header, pmv)
-            # ---- need more bytes ----
-            if start == end:
-                start = end = 0
-            elif STAGING_BYTES - end < 2 * _abi.MMH_HDR_MAX:
-                n = end - start
-                mv[:n] = mv[start:end]
-                start, end = 0, n
-            c.mid_frame = start != end
-            if c.mid_frame:
-                self._progress(c)
-            elif self._closing:
-                return  # graceful stop at a frame boundary
-            c.idle = not c.mid_frame
-            n = await loop.sock_recv_into(sock, mv[end:])
-            c.idle = False
-            if not n:
-                if start != end:
-                    raise _Close("truncated", True, f"EOF inside a header ({end - start} bytes)")
-                return
-            end += n
-
     def _offer(self, f: InFrame) -> bool:
         """Count ``f`` and queue it if there is room; False when the queue is full."""
         cnt = self.counters
         cnt.frames_in += 1
         cnt.bytes_in += (f.header.hdr_len or _PREAMBLE) + f.header.payload_len
         q = self.queue
-        if q.full():
+        offer = self._queue_offer
+        if offer is not None:
+            if not offer(f):
+                return False
+        elif q.full():
             return False
-        q.put_nowait(f)
+        else:
+            q.put_nowait(f)
         depth = q.qsize()
         cnt.queue_hwm = max(cnt.queue_hwm, depth)
         return True
@@ -400,20 +273,6 @@ class FrameServer:
                 self._on_drop(f, "overload")
             except Exception:
                 log.exception("on_drop hook failed")
-
-    async def _deliver(self, c: _Conn, header: Header, payload: memoryview) -> None:
-        f = InFrame(header, payload, time.time_ns(), c.peer, "tcp")
-        if self._offer(f):
-            return
-        if self._realtime(header):
-            self._drop(f)
-            return
-        # stop reading this connection until the stage makes room: TCP flow control
-        # pushes the wait back to the sender
-        self.counters.backpressure_waits += 1
-        await self.queue.put(f)
-        depth = self.queue.qsize()
-        self.counters.queue_hwm = max(self.counters.queue_hwm, depth)
 
     # -- UDP -----------------------------------------------------------------
     def _datagram(self, data: bytes, addr: Any) -> None:
@@ -437,6 +296,222 @@ class FrameServer:
     def _bad_datagram(self, peer: str, reason: str, detail: str) -> None:
         self.counters.malformed[reason] += 1
         log.debug("%s: dropped malformed datagram from %s: %s", self.name, peer, detail)
+
+
+class _Conn(asyncio.BufferedProtocol):
+    """One inbound TCP connection: the transport reads into :meth:`get_buffer`
+    (the staging buffer, or the payload buffer of a big frame) and calls
+    :meth:`buffer_updated`, which hands every complete frame to the queue."""
+
+    def __init__(self, server: FrameServer, peer: str) -> None:
+        self.server = server
+        self.peer = peer
+        self.loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[None] = self.loop.create_future()
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray(STAGING_BYTES)
+        self.mv = memoryview(self.buf)
+        self.start = self.end = 0
+        # a big frame whose payload is read straight into its own buffer
+        self.header: Header | None = None
+        self.payload: memoryview | None = None
+        self.got = 0
+        self.blocked = False  # waiting for room in the queue (not reading)
+        self.mid_frame = False  # waiting for the rest of a frame (stall timer applies)
+        self.last_progress = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.waiter: asyncio.Task[None] | None = None
+
+    @property
+    def idle(self) -> bool:
+        """Waiting for the first byte of the next frame."""
+        return not (self.mid_frame or self.blocked or self.done.done())
+
+    # -- asyncio's calls ------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.payload is not None:
+            return self.payload[self.got:]
+        return self.mv[self.end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            if self.payload is not None:
+                self.got += nbytes
+                self._progress()
+                if self.got < len(self.payload):
+                    return
+                header, payload = self.header, self.payload
+                self.header = self.payload = None
+                self.mid_frame = False
+                assert header is not None
+                if not self._deliver(header, payload, time.time_ns()):
+                    return
+            else:
+                self.end += nbytes
+            self._hand_over()
+        except _Close as e:
+            self.finish(e.reason, e.malformed, e.detail)
+        except WireError as e:
+            self.finish(wire_reason(e), True, str(e))
+        except Exception as e:  # a bug must not take the server down
+            log.exception("%s: connection %s failed", self.server.name, self.peer)
+            self.finish("internal", detail=repr(e))
+
+    def eof_received(self) -> bool:
+        if self.payload is not None:
+            self.finish("truncated", True,
+                        f"EOF after {self.got} of {len(self.payload)} payload bytes")
+        elif self.start != self.end:
+            self.finish("truncated", True,
+                        f"EOF inside a header ({self.end - self.start} bytes)")
+        else:
+            self.finish("eof")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is None:
+            self.finish("eof")
+        else:
+            self.finish("reset", detail=str(exc))
+
+    # -- frames ---------------------------------------------------------------
+    def _hand_over(self) -> None:
+        """Every complete frame in the staging buffer to the queue (until the
+        queue is full: the rest waits, unread), then what the next read needs."""
+        srv = self.server
+        buf, mv = self.buf, self.mv
+        start, end = self.start, self.end
+        max_payload = srv.limits.max_frame_bytes
+        now = time.time_ns()
+        while True:
+            avail = end - start
+            if avail < _PREAMBLE:
+                if avail and buf[start:start + min(avail, 4)] != _MAGIC_V1[:min(avail, 4)]:
+                    decode_header(mv[start:end])  # raises the precise WireError
+                break
+            magic, hdr_len, plen = _PRE.unpack_from(buf, start)
+            if magic != _MAGIC_V1_U32 or hdr_len < _PREAMBLE:
+                decode_header(mv[start:end])  # raises
+            if plen > max_payload:
+                raise _Close("oversized", True,
+                             f"payload_len {plen} > max_frame_bytes {max_payload}")
+            if avail < hdr_len:
+                break
+            header = decode_header(mv[start:start + hdr_len])
+            pstart = start + hdr_len
+            have = min(plen, end - pstart)
+            if have == plen:  # whole payload staged: one copy out
+                payload = memoryview(bytearray(mv[pstart:pstart + plen])) if plen else _EMPTY
+                start = pstart + plen
+                self.start = start
+                if not self._deliver(header, payload, now):
+                    return  # the rest when there is room
+                continue
+            # payload not all here: read the rest straight into a buffer of its
+            # own, from the pool (no page faults on a fresh allocation)
+            pmv = srv.pool.get(plen)
+            pmv[:have] = mv[pstart:pstart + have]
+            self.start = self.end = 0
+            self.header, self.payload, self.got = header, pmv, have
+            self.mid_frame = True
+            self._progress()
+            return
+        # ---- need more bytes ----
+        if start == end:
+            start = end = 0
+        elif STAGING_BYTES - end < 2 * _abi.MMH_HDR_MAX:
+            n = end - start
+            mv[:n] = mv[start:end]
+            start, end = 0, n
+        self.start, self.end = start, end
+        self.mid_frame = start != end
+        if self.mid_frame:
+            self._progress()
+        elif srv._closing:
+            self.finish("eof")  # graceful stop at a frame boundary
+
+    def _deliver(self, header: Header, payload: memoryview, now: int) -> bool:
+        """Counts the frame and queues it; False when the queue is full and the
+        connection now waits for room (reading paused)."""
+        srv = self.server
+        f = InFrame(header, payload, now, self.peer, "tcp")
+        if srv._offer(f):
+            return True
+        if srv._realtime(header):
+            srv._drop(f)
+            return True
+        # stop reading this connection until the stage makes room: TCP flow control
+        # pushes the wait back to the sender
+        srv.counters.backpressure_waits += 1
+        self.blocked = True
+        self.mid_frame = False  # (time blocked by our own backpressure does not count)
+        if self.transport is not None:
+            self.transport.pause_reading()
+        self.waiter = self.loop.create_task(self._wait_for_room(f),
+                                            name=f"{srv.name}-conn-{self.peer}")
+        return False
+
+    async def _wait_for_room(self, f: InFrame) -> None:
+        srv = self.server
+        try:
+            await srv.queue.put(f)
+        except asyncio.CancelledError:
+            return  # (the connection was closed meanwhile)
+        srv.counters.queue_hwm = max(srv.counters.queue_hwm, srv.queue.qsize())
+        self.waiter = None
+        self.blocked = False
+        if self.done.done():
+            return
+        try:
+            self._hand_over()
+        except _Close as e:
+            self.finish(e.reason, e.malformed, e.detail)
+            return
+        except WireError as e:
+            self.finish(wire_reason(e), True, str(e))
+            return
+        except Exception as e:
+            log.exception("%s: connection %s failed", srv.name, self.peer)
+            self.finish("internal", detail=repr(e))
+            return
+        if not self.blocked and not self.done.done() and self.transport is not None:
+            self.transport.resume_reading()
+
+    # -- timeouts and the end ---------------------------------------------------
+    def _progress(self) -> None:
+        self.last_progress = self.loop.time()
+        if self.timer is None:
+            self.timer = self.loop.call_at(
+                self.last_progress + self.server.limits.read_timeout_s, self._check_stall)
+
+    def _check_stall(self) -> None:
+        self.timer = None
+        if not self.mid_frame or self.done.done():
+            return
+        timeout = self.server.limits.read_timeout_s
+        due = self.last_progress + timeout
+        if self.loop.time() >= due:
+            self.finish("read_timeout", detail=f"no progress mid-frame for {timeout}s")
+        else:
+            self.timer = self.loop.call_at(due, self._check_stall)
+
+    def finish(self, reason: str, malformed: bool = False, detail: str = "") -> None:
+        """Closes the connection (once) and has it counted."""
+        if self.done.done():
+            return
+        self.done.set_result(None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.waiter is not None and self.waiter is not asyncio.current_task():
+            self.waiter.cancel()
+        self.waiter = None
+        if self.transport is not None:
+            self.transport.abort()
+        self.server._closed(self, reason, malformed, detail)
 
 
 class _UdpProtocol(asyncio.DatagramProtocol):

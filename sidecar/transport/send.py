@@ -45,9 +45,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from mmmesh.errors import WireError
 from mmmesh.net import parse_hostport
@@ -56,7 +58,7 @@ from mmmesh.wire import Header, frame
 from ..config import Limits, Output
 from ..contract import drop_late
 from .frames import FrameQueue, OutFrame, joined, payload_view
-from .lane import Lane, LaneCounters, LaneOwner, wait_writable
+from .lane import _BATCH_BYTES, _BATCH_FRAMES, Lane, LaneCounters, LaneOwner, wait_writable
 from .spread import Swrr
 
 __all__ = ["FrameSender", "SenderCounters"]
@@ -90,6 +92,45 @@ class SenderCounters:
         d = dict(self.__dict__)
         d["lanes"] = [dict(c.__dict__) for c in self.lanes]
         return d
+
+
+def _nbytes(payload: Any) -> int:
+    """A payload's bytes (0 for one that is not a buffer: the writer reports it
+    when framing)."""
+    try:
+        return memoryview(payload).nbytes
+    except TypeError:
+        return 0
+
+
+class _Group:
+    """Frames ``send_nowait`` gives one idle lane, written in one ``sendmsg``:
+    at most ``_BATCH_FRAMES`` / ``_BATCH_BYTES`` (as the writer's batches) and
+    never more than the lane's queue could hold (the bound stays the queue's)."""
+
+    __slots__ = ("items", "lane", "max_bytes", "max_n", "nbytes")
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self.items: list[tuple[Header, Any, int]] = []
+        self.nbytes = 0
+        q = lane.queue
+        self.max_n = min(_BATCH_FRAMES, q.maxsize) if q.maxsize > 0 else _BATCH_FRAMES
+        self.max_bytes = q.max_bytes
+
+    def fits(self, nbytes: int) -> bool:
+        n = len(self.items)
+        return not n or (n < self.max_n and self.nbytes < _BATCH_BYTES
+                         and (self.max_bytes <= 0 or self.nbytes + nbytes <= self.max_bytes))
+
+    def add(self, header: Header, payload: Any, nbytes: int) -> None:
+        self.items.append((header, payload, nbytes))
+        self.nbytes += nbytes
+
+    def write(self) -> None:
+        items, self.items, self.nbytes = self.items, [], 0
+        if items:
+            self.lane.write_frames(items)
 
 
 def _lane_bound(total: int, n: int, least: int) -> int:
@@ -191,6 +232,17 @@ class FrameSender:
         assert i is not None  # (the config guarantees a weight above 0)
         return lanes[i]
 
+    def _make_room(self, q: FrameQueue) -> None:
+        """Real-time: the freshest frame is worth most; while ``q`` is full its
+        oldest frame is dropped (never a frame already partly on the wire: the
+        stream would break)."""
+        while q.full():
+            old = q.pop_oldest(lambda it: it.framed is not None and it.framed.started)
+            if old is None:
+                break
+            q.task_done()
+            self._drop(old.header, "overload")
+
     async def send(self, header: Header, payload: Any = b"") -> bool:
         """Writes one frame now or queues it (see the class); ``payload``
         (usually an ndarray) is referenced, not copied, and must not be
@@ -206,18 +258,9 @@ class FrameSender:
             q = lane.queue
         assert q is not None, "start() first"
         if self.realtime:
-            while q.full():  # real-time: the freshest frame is worth most; drop the oldest
-                # (never a frame already partly on the wire: the stream would break)
-                old = q.pop_oldest(lambda it: it.framed is not None and it.framed.started)
-                if old is None:
-                    break
-                q.task_done()
-                self._drop(old.header, "overload")
+            self._make_room(q)
         payload = payload_view(payload)
-        try:
-            nbytes = memoryview(payload).nbytes
-        except TypeError:  # not a buffer: the writer reports it when framing
-            nbytes = 0
+        nbytes = _nbytes(payload)
         framed = None
         if lane is not None and lane.idle and self.ready.is_set():
             written, framed = lane.write_now(header, payload)
@@ -233,6 +276,83 @@ class FrameSender:
         depth = q.qsize()
         self.counters.queue_hwm = max(self.counters.queue_hwm, depth)
         return True
+
+    def send_nowait(self, frames: Sequence[tuple[Header, Any]]) -> int:
+        """``send()`` for several frames, in order, without waiting: each is
+        written, queued or dropped (real-time and late) as ``send()`` would;
+        the frames an idle, connected lane gets are written together, one
+        ``sendmsg`` per lane (up to 64 frames / 256 KiB, and never more than
+        its queue could hold).  Stops at the first frame that would have to
+        wait for room in a full queue and returns how many it took: the caller
+        ``await``s ``send()`` for the rest."""
+        if self._udp:
+            uq = self._queue
+            assert uq is not None, "start() first"
+            for i, (header, payload) in enumerate(frames):
+                if drop_late(header, self.realtime):
+                    self._drop(header, "deadline")
+                    continue
+                if self.realtime:
+                    self._make_room(uq)
+                if uq.full():
+                    return i
+                payload = payload_view(payload)
+                uq.put_nowait(OutFrame(header, payload, _nbytes(payload)))
+                self._hwm(uq)
+            return len(frames)
+        realtime = self.realtime
+        ready = self.ready.is_set()
+        lanes = self.lanes
+        # one lane takes every frame (no replicas, or spread: kernel's lead): no pick
+        fixed = lanes[self._lead] if self.kernel else lanes[0] if len(lanes) == 1 else None
+        swrr = self._swrr if fixed is None else None
+        groups: dict[int, _Group] = {}
+        taken = len(frames)
+        for i, (header, payload) in enumerate(frames):
+            if realtime and drop_late(header, True):
+                self._drop(header, "deadline")
+                continue
+            before = None
+            if swrr is None:
+                lane = fixed
+            else:
+                before = swrr.cur[:]
+                lane = self._pick()
+            assert lane is not None
+            q = lane.queue
+            if realtime:
+                self._make_room(q)
+            if type(payload) is np.ndarray and payload.size and payload.flags.c_contiguous:
+                nbytes = payload.nbytes  # (payload_view's and _nbytes' answer, inline)
+            else:
+                payload = payload_view(payload)
+                nbytes = _nbytes(payload)
+            if ready:
+                g = groups.get(lane.index)
+                if g is None and lane.idle:
+                    g = groups[lane.index] = _Group(lane)
+                if g is not None:  # (a lane stays idle while its group waits)
+                    if g.fits(nbytes):
+                        g.add(header, payload, nbytes)
+                        continue
+                    g.write()  # that many go out now; this frame sees again
+                    if lane.idle:
+                        g.add(header, payload, nbytes)
+                        continue
+                    del groups[lane.index]  # what is left is queued: behind it
+            if q.full():
+                if before is not None:  # not taken: the pick did not happen
+                    swrr.cur[:] = before  # type: ignore[union-attr]
+                taken = i
+                break
+            q.put_nowait(OutFrame(header, payload, nbytes))
+            self._hwm(q)
+        for g in groups.values():
+            g.write()
+        return taken
+
+    def _hwm(self, q: FrameQueue) -> None:
+        self.counters.queue_hwm = max(self.counters.queue_hwm, q.qsize())
 
     def _lane_changed(self, lane: Lane) -> None:
         """A lane went up or down (or connected for the first time)."""

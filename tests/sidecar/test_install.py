@@ -29,7 +29,7 @@ from testkit.sidecar_stages import frame_bytes, free_port, tensor_header
 WHEELS = ROOT / ".cache" / "wheelhouse"
 BASE_PYTHON = Path(getattr(sys, "_base_executable", sys.executable))
 NOT_THERE = ("pyroute2", "scapy", "fastapi", "qosd.store.etcd.client.pb.rpc_pb2", "bcc",
-             "grpc", "onnxruntime", "tritonclient")
+             "grpc", "onnxruntime", "tritonclient", "httpx")
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -50,7 +50,8 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for f in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / f, src / f)
     for pkg in ("mmmesh", "qosd", "sidecar", "mmmeshctl", "demo"):
-        shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+        # (not a compiled module built in the checkout: the install builds its own)
+        shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     r = subprocess.run([str(d / "bin" / "pip"), "install", "-q", "--no-index", "--find-links",
                         str(WHEELS), f"{src}[sidecar]"],
                        capture_output=True, text=True, timeout=480)
@@ -89,7 +90,34 @@ def test_mmmesh_sidecar_help_runs(venv: Path) -> None:
     assert "--config" in r.stdout
 
 
-def test_it_relays_an_mmh_frame_through_a_python_stage(venv: Path, tmp_path: Path) -> None:
+def test_the_install_built_the_compiled_codec_and_can_do_without(venv: Path) -> None:
+    """pyproject's optional ext-module: with a C compiler and the Python headers
+    (scripts/bootstrap.sh installs both) the install builds mmmesh.wire._cwire;
+    MMMESH_WIRE=python (or an install without it) runs the pure-Python codec."""
+    code = "import mmmesh.wire._codec as c; print(c.IMPLEMENTATION)"
+    env = {k: v for k, v in os.environ.items() if k != "MMMESH_WIRE"}
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True,
+                       text=True, timeout=60, cwd="/", env=env, check=False)
+    assert r.returncode == 0, r.stderr
+    want = "c" if shutil.which("cc") and Path(sysconfig_include(), "Python.h").is_file() \
+        else "python"
+    assert r.stdout.strip() == want
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True,
+                       text=True, timeout=60, cwd="/", env={**env, "MMMESH_WIRE": "python"},
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "python"
+
+
+def sysconfig_include() -> str:
+    import sysconfig
+
+    return sysconfig.get_paths()["include"]
+
+
+@pytest.mark.parametrize("codec", ["compiled", "python"])
+def test_it_relays_an_mmh_frame_through_a_python_stage(venv: Path, tmp_path: Path,
+                                                       codec: str) -> None:
     (tmp_path / "stage_ident.py").write_text("def identity(x):\n    return x\n")
     sink = socket.create_server(("127.0.0.1", 0))
     sink.settimeout(60)
@@ -106,6 +134,9 @@ def test_it_relays_an_mmh_frame_through_a_python_stage(venv: Path, tmp_path: Pat
     """))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     env.pop("VIRTUAL_ENV", None)
+    env.pop("MMMESH_WIRE", None)
+    if codec == "python":
+        env["MMMESH_WIRE"] = "python"
     proc = subprocess.Popen([str(venv / "bin" / "mmmesh-sidecar"), "--config", str(cfg)],
                             env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)

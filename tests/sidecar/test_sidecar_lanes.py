@@ -415,7 +415,10 @@ def test_killed_replica_share_goes_to_the_others_and_comes_back(tmp_path: Path) 
                 assert 1 not in got, "a frame went to the killed replica"
                 assert _within([len(got[0]), len(got[2])], [5, 2], 1000), got.keys()
                 assert all(s == sorted(s) for s in got.values())
-                assert sender.counters.lanes_up == 2 and lanes[1].connect_failures >= 1
+                assert sender.counters.lanes_up == 2
+                # (its writer retries in the background: on a busy host the
+                # first refused connect can come after the frames went through)
+                await wait_for(lambda: lanes[1].connect_failures >= 1, 15, "lane 1 retrying")
 
                 with sidecar_process(tmp_path, "rep1", ports[1], outs[1]):
                     await wait_for(lambda: lanes[1].up and lanes[1].connected, 15,
