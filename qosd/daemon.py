@@ -348,18 +348,9 @@ async def run(cfg: QosdConfig, log_filter: RateLimitFilter | None = None) -> int
                 log.error("resync failed: %s", e)
 
     async def controller_loop() -> None:
-        """One SLA-controller window every law period (docs/controller.md)."""
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=controller.period_s)
-            except TimeoutError:
-                pass
-            if stop.is_set():
-                return
-            try:
-                await run_in_threadpool(controller.step)
-            except Exception:  # keep the loop alive, report
-                log.exception("SLA controller step failed")
+        """The SLA controller: a window as soon as it is in, woken by the board's
+        new windows (docs/controller.md, "The loop's delay")."""
+        await controller.run(stop, run_in_threadpool, node.board)
 
     async def flush_logs() -> None:
         while log_filter is not None:

@@ -8,8 +8,16 @@
   exec`` with a bpffs of its own, so its API is the way to the kernel), each
   change with its time;
 * every controller window as the sensors node's qosd explains it (``GET
-  /v1/sla/explain``: verdict, measurement, streaks, the values it holds) and
-  the load its last increase was tied to (its state file's ``need``).
+  /v1/sla/explain``: verdict, measurement, streaks, the values it holds, the
+  step's timing: when it read its input, decided, wrote the kernel) and the
+  load its last increase was tied to (its state file's ``need``);
+* around the times that matter (:meth:`Observer.focus`: the flood's start and
+  stop), every 0.2 s, the watched class's rows in the global SLA view of the
+  edge node (its own windows: the local view) and of the sensors node (its
+  peers': what the controller reads), ``GET /v1/cluster/sla``: when each
+  node's window first shows there (its data time is the view's ``now - age``,
+  the time the origin's board took it).  That is the loop's delay budget
+  (:func:`.report.delay_budget`).
 
 The flood is :mod:`.closed_loop_flood`'s.
 """
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +67,12 @@ class Observation:
     """The watched class's HTB counters: (t, bytes, drops, backlog bytes)."""
     controller: list[dict[str, Any]] = field(default_factory=list)
     """One row per controller window (``GET /v1/sla/explain``), in order."""
+    loop: list[dict[str, Any]] = field(default_factory=list)
+    """The controller's steps as qosd timed them (explain's ``loop``), in order."""
+    views: list[dict[str, Any]] = field(default_factory=list)
+    """{"view", "stage", "origin", "data_t", "seen"}: a node's window of the
+    watched class first seen in a node's global view (``stage`` None: the
+    class row)."""
     errors: int = 0
 
     def params_at(self, t: float) -> Params:
@@ -82,6 +97,7 @@ class Observer:
     def __init__(self, request: Callable[..., Any], uplink: str, *, board_node: str = "edge",
                  kernel_node: str = "sensors", stages: tuple[str, ...] = (),
                  kernel_every_s: float = 0.25, board_every_s: float = 0.5,
+                 view_every_s: float = 0.2, view_nodes: tuple[str, ...] = ("edge", "sensors"),
                  watch: str = "voice", state_file: Path | None = None) -> None:
         self.request = request
         self.uplink = uplink
@@ -89,6 +105,9 @@ class Observer:
         self.stages = set(stages)
         self.watch, self.state_file = watch, state_file
         self.kernel_every_s, self.board_every_s = kernel_every_s, board_every_s
+        self.view_every_s, self.view_nodes = view_every_s, view_nodes
+        self._focus: list[tuple[float, float]] = []
+        self._loop_seen: set[tuple[int, float]] = set()
         self.seen = Observation()
         self._keys: set[tuple[Any, ...]] = set()
         self._last: Params = {}
@@ -108,17 +127,55 @@ class Observer:
             self._poll_board()
         return self.seen
 
+    def focus(self, spans: list[tuple[float, float]]) -> None:
+        """Unix-time spans in which the global views are watched too (each
+        poll costs every qosd a snapshot: only where the delay is measured)."""
+        self._focus = sorted(spans)
+
     def _run(self) -> None:
-        next_board = 0.0
-        while not self._stop.wait(self.kernel_every_s):
+        # a thread with a larger share of the CPU (nice -10, this thread only): on a busy
+        # host its polls still come on time (they measure the loop, they must not lag it)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -10)
+        next_board = next_kernel = 0.0
+        while not self._stop.wait(min(self.kernel_every_s, self.view_every_s)):
             try:
-                self._poll_kernel()
-                if time.monotonic() >= next_board:
-                    next_board = time.monotonic() + self.board_every_s
+                mono, wall = time.monotonic(), time.time()
+                if any(a <= wall <= b for a, b in self._focus):
+                    self._poll_views()
+                if mono >= next_kernel:
+                    next_kernel = mono + self.kernel_every_s
+                    self._poll_kernel()
+                if mono >= next_board:
+                    next_board = mono + self.board_every_s
                     self._poll_board()
                     self._poll_controller()
             except (MeshError, OSError, KeyError, ValueError, TypeError):
                 self.seen.errors += 1
+
+    def _poll_views(self) -> None:
+        """Each node's windows of the watched class in each view node's
+        global view: the first poll that holds a new one (by its data time)."""
+        for node in self.view_nodes:
+            view = self.request(node, "GET", "/v1/cluster/sla", timeout=2.0)
+            now = time.time()
+            for row in (view.get("classes") or []) + (view.get("stages") or []):
+                if row.get("sla_class") != self.watch:
+                    continue
+                stage = row.get("stage")
+                if stage is not None and self.stages and stage not in self.stages:
+                    continue
+                for b in row.get("breakdown") or []:
+                    if b.get("age_s") is None or b.get("stale"):
+                        continue
+                    data_t = now - float(b["age_s"])
+                    key = (node, stage, b.get("node"))
+                    if any(v["data_t"] > data_t - 0.5 for v in self.seen.views[-40:]
+                           if (v["view"], v["stage"], v["origin"]) == key):
+                        continue
+                    self.seen.views.append({"view": node, "stage": stage,
+                                            "origin": b.get("node"),
+                                            "data_t": round(data_t, 3), "seen": round(now, 3)})
 
     def _poll_kernel(self) -> None:
         status = self.request(self.kernel_node, "GET", "/v1/status", timeout=5.0)
@@ -170,6 +227,11 @@ class Observer:
         ex = self.request(self.kernel_node, "GET", "/v1/sla/explain", timeout=5.0)
         if not isinstance(ex, dict) or ex.get("enabled") is False:
             return
+        for step in ex.get("loop") or []:  # the controller's own timing of its steps
+            key = (int(step.get("window", -1)), float(step.get("woke", 0.0)))
+            if key not in self._loop_seen:
+                self._loop_seen.add(key)
+                self.seen.loop.append(dict(step))
         window, now = int(ex.get("window") or 0), ex.get("now")
         if window <= 0 or now is None or (self.seen.controller and
                                           self.seen.controller[-1]["t"] >= float(now)):

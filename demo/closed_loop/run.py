@@ -169,11 +169,17 @@ def _one_run(topo: Topology, cfg: ClosedLoopConfig, policy: Any, stage_cfgs: dic
         obs = Observer(mesh.request, UPLINK, stages=tuple(STAGES.values()), watch=WATCH,
                        state_file=mesh.node("sensors").dir / "state" / "controller.json").start()
         switch = _Switch(mesh, policy.to_yaml())
+
+        def on_t0(t0: float) -> None:  # the phase's clock: the policy's time, the focus
+            switch.at(t0 + begin)
+            obs.focus([(t0 + flood_from - 1.0, t0 + flood_from + 6 * w),
+                       (t0 + flood_to - 1.0, t0 + flood_to + 4 * w)])
+
         try:
             res = run_phase(topo, pcfg, stage_cfgs, sla=sla, flood_child=reporting_flood,
                             flood_args=(str(mesh.node("sensors").sla_sock), w, flood_from,
                                         flood_to),
-                            on_t0=lambda t0: switch.at(t0 + begin))
+                            on_t0=on_t0)
         finally:
             switch.join()
             seen = obs.stop()

@@ -11,6 +11,9 @@ from typing import Any
 from demo.closed_loop.config import WATCH
 from demo.closed_loop.report import TARGETS
 
+DELAY_PARTS = ("window", "hysteresis", "report", "view", "view_local", "view_peers",
+               "controller_wait", "controller_step", "kernel_write", "total")
+
 
 def _f(x: Any, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
@@ -51,7 +54,12 @@ def format_table(result: dict[str, Any]) -> str:
         lines += [f"  t={d['t']:+6.1f}s {d['class']}: {d['change']}: {d['why']}"
                   for d in decisions]
     figs = {k: result.get(k) for k in ("attainment_off", "attainment_on", "settle_windows",
-                                       "oscillations", "max_step", "back_to_policy_windows")}
+                                       "settle_s", "oscillations", "max_step",
+                                       "back_to_policy_windows", "back_to_policy_s")}
+    delay = result.get("delay")
+    if delay:
+        lines += ["", "the loop's delay, first missed frame to the kernel write (s): "
+                  + ", ".join(f"{k} {delay[k]}" for k in DELAY_PARTS if delay.get(k) is not None)]
     lines += ["", "  ".join(f"{k} {v}" for k, v in figs.items()),
               "targets: " + ", ".join(f"{k} {op} {t}: {_word(result['targets'][k])}"
                                       for k, (op, t) in TARGETS.items())]

@@ -25,6 +25,18 @@ The state survives a restart: it is written (atomically) to
 it still applies (same policy, same law, not older than the expiry horizon:
 ``Controller.restore`` says why not otherwise).
 
+When: the controller is woken by new windows, not by a timer of its own
+(docs/controller.md, "The loop's delay").  Windows close on the wall clock's
+multiples of the period (the sidecars close theirs there), so :meth:`tick`
+runs from the start of each window: it reads the view and steps as soon as
+every class with an objective has its new window in it (``Controller.waiting``)
+or ``HOLD`` of the window has passed, whichever comes first, once a window.
+:meth:`run` is the loop: a report to the node's board wakes it at once
+(``SlaBoard.subscribe``); the global view has no such signal, so while a
+window is due and not all in, the view is read again every ``POLL_S``.
+``explain()["loop"]`` times the last steps (woken, read, decided, written,
+and the data time of every class's window).
+
 ``sla_controller_enabled: false`` turns it off: its first window takes back
 what an earlier, enabled run left in the kernel (stage overrides, replica
 weights), then a window is a no-op (no state read, decided, written or saved)
@@ -33,10 +45,14 @@ and ``explain`` shows the policy's values with a note saying so.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import math
 import threading
 import time
+from collections import deque
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -56,11 +72,20 @@ from qosd.controller.core import (
 from qosd.controller.kernel import KernelWriter, render_kernel
 from qosd.model import BoardView, PolicySource, ReconcileResult
 
-__all__ = ["STATE_FILE", "Adapter", "ClusterSlaInput", "SlaController"]
+__all__ = ["HOLD", "POLL_S", "STATE_FILE", "Adapter", "ClusterSlaInput", "NewWindows",
+           "SlaController"]
 
 log = logging.getLogger("qosd.controller.host")
 
 STATE_FILE = "controller.json"
+HOLD = 0.9
+"""Of a window: how long a step waits for every class's new window (then it
+steps with what it has; a window that comes later is judged the next time)."""
+POLL_S = 0.2
+"""While a window is due and not all in: how often the global view is read
+again (it has no new-window signal; the board does)."""
+MIN_GAP_S = 0.05
+"""Checks closer than this are one (a burst of reports at a window's close)."""
 
 
 class Adapter(Protocol):
@@ -80,6 +105,14 @@ class ClusterSlaInput(Protocol):
 
     def suspect_share(self) -> float:
         """The share of the live members that are suspected (0 .. 1)."""
+        ...
+
+
+class NewWindows(Protocol):
+    """Who tells the controller a window came (qosd.sla.board.SlaBoard)."""
+
+    def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """``callback()`` after every new window; returns the unsubscribe."""
         ...
 
 
@@ -108,6 +141,11 @@ class SlaController:
         self.enabled = enabled
         self.kernel = kernel
         self._released = False  # disabled: the kernel holds nothing the controller wrote
+        self.loop: deque[dict[str, Any]] = deque(maxlen=8)  # the last steps' timing (explain)
+        self._stepped: int | None = None  # the grid window of the last step (tick)
+        self._due_since: float | None = None  # the first check of the window being waited for
+        self._checked = -math.inf  # the last check (tick)
+        self.waiting: tuple[str, ...] = ()  # the classes the last check waited for
 
     @property
     def period_s(self) -> float:
@@ -140,9 +178,77 @@ class SlaController:
             return from_cluster(view, now, self.cluster.suspect_share())
         return from_board(self.board.view(), now)
 
+    # -- when -----------------------------------------------------------------------
+    def tick(self, now: float | None = None) -> float:
+        """One wake-up of the loop: steps if this window's step is due (every
+        class's new window is in, or ``HOLD`` of the window passed; an empty
+        view waits for the hold) and not done yet; returns the seconds until
+        the next wake-up unless a new window comes first."""
+        now = time.time() if now is None else now
+        w = self.period_s
+        k = math.floor(now / w)
+        boundary = (k + 1) * w - now + 0.001
+        if self._stepped == k:
+            return boundary
+        if now - self._checked < MIN_GAP_S:
+            return MIN_GAP_S - (now - self._checked)
+        self._checked = now
+        if not self.enabled:
+            self.step()
+            self._stepped = k
+            return boundary
+        deadline = k * w + HOLD * w
+        with self._lock:
+            ctrl = self._controller(now)
+            if ctrl is None:
+                self._stepped = k
+                return boundary
+            if self._due_since is None or self._due_since < k * w:
+                self._due_since = now
+            inp = self._input(now)
+            # an empty view (qosd just started, no window reported yet) is waited for too
+            self.waiting = ((ctrl.waiting(inp) or (() if inp.classes else ("*",)))
+                            if now < deadline else ())
+            if self.waiting:
+                return min(deadline - now, POLL_S if self.cluster is not None else deadline - now)
+            self._step(ctrl, inp, now, self._due_since)
+            self._stepped = k
+        return boundary
+
+    async def run(self, stop: asyncio.Event,
+                  run_sync: Callable[[Callable[[], float]], Awaitable[float]],
+                  windows: NewWindows | None = None) -> None:
+        """The loop until ``stop``: :meth:`tick` (through ``run_sync``, e.g.
+        a thread pool: it reads the view and writes the kernel) whenever it
+        asked to be woken, or ``windows`` says a window came."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def came() -> None:  # in the reporting thread
+            loop.call_soon_threadsafe(wake.set)
+
+        unsubscribe = windows.subscribe(came) if windows is not None else None
+        try:
+            while not stop.is_set():
+                wake.clear()
+                try:
+                    delay = await run_sync(self.tick)
+                except Exception:  # keep the loop alive, report
+                    log.exception("SLA controller step failed")
+                    delay = self.period_s
+                waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())]
+                await asyncio.wait(waits, timeout=max(0.0, delay),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                for t in waits:
+                    t.cancel()
+        finally:
+            if unsubscribe is not None:
+                unsubscribe()
+
+    # -- what ------------------------------------------------------------------------
     def step(self) -> Decision | None:
-        """One window: judge, decide, write what changed, keep the state
-        (disabled: nothing, None)."""
+        """One window now, whatever has come: judge, decide, write what changed,
+        keep the state (disabled: nothing, None)."""
         if not self.enabled:
             # what an earlier, enabled run wrote (stage overrides and replica weights
             # outlive a restart: the kernel keeps them) is taken back once
@@ -156,24 +262,39 @@ class SlaController:
             ctrl = self._controller(now)
             if ctrl is None:
                 return None
-            decision = ctrl.step(self._input(now))
-            self.last = decision
-            cur = self.policy.current()
-            if decision.changed and cur is not None:
-                try:
-                    self.adapter.adapt(
-                        self._version, effective_policy(cur.policy, decision.classes))
-                    log.info("SLA controller: window %d: %s", decision.window,
-                             ", ".join(decision.changed))
-                except MeshError as e:
-                    log.error("SLA controller: writing window %d failed: %s",
-                              decision.window, e)
-            self.kernel.write(self._version, decision, now)
+            return self._step(ctrl, self._input(now), now, now)
+
+    def _step(self, ctrl: Controller, inp: SlaInput, now: float, due: float) -> Decision:
+        """The step on ``inp`` (read at ``now``; the window due since ``due``), under the lock."""
+        read = time.time()
+        window = ctrl.window
+        decision = ctrl.step(inp)
+        self.last = decision
+        decided = time.time()
+        cur = self.policy.current()
+        if decision.changed and cur is not None:
             try:
-                write_atomic(self.path, json.dumps(ctrl.snapshot()), mode=0o600)
-            except OSError as e:
-                log.warning("SLA controller: state not saved: %s", e)
-            return decision
+                self.adapter.adapt(
+                    self._version, effective_policy(cur.policy, decision.classes))
+                log.info("SLA controller: window %d: %s", decision.window,
+                         ", ".join(decision.changed))
+            except MeshError as e:
+                log.error("SLA controller: writing window %d failed: %s",
+                          decision.window, e)
+        adapted = time.time()
+        self.kernel.write(self._version, decision, now)
+        if decision.window != window:  # a new window (not a repeated call)
+            self.loop.append({
+                "window": decision.window, "due": round(due, 3), "woke": round(now, 3),
+                "read": round(read, 3), "decided": round(decided, 3),
+                "written": round(adapted, 3), "done": round(time.time(), 3),
+                "changed": list(decision.changed),
+                "data": {c: round(now - m.oldest, 3) for c, m in inp.classes.items()}})
+        try:
+            write_atomic(self.path, json.dumps(ctrl.snapshot()), mode=0o600)
+        except OSError as e:
+            log.warning("SLA controller: state not saved: %s", e)
+        return decision
 
     def explain(self) -> dict[str, Any] | None:
         """``explain()`` of the controller (None before any policy), with the
@@ -185,6 +306,7 @@ class SlaController:
                 return None
             data = self._ctrl.explain()
             data["note"] = self.note
+            data["loop"] = list(self.loop)
             data["kernel"] = self.kernel.explain()
             data["text"] = render(data) + render_kernel(data["kernel"])
             return data

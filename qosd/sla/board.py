@@ -25,6 +25,10 @@ DDSketches (the real p99 of all the frames, not an average of p99s).  The
 node-wide class view mixes the stages of a pipeline; it is the view meant for
 peers and dashboards, the per-stage view is the one to act on.
 
+Whoever acts on new windows (the SLA controller) subscribes (:meth:`SlaBoard.subscribe`)
+instead of polling: the callback runs after every report taken (in the
+reporting thread, outside the board's lock; it must only wake its owner).
+
 Windows not refreshed for a few of their own lengths are *stale*: still
 listed, no longer merged; after ``keep_s`` they are forgotten.  Every window
 is checked again when it is taken (numbers within the report schema's
@@ -39,7 +43,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -88,6 +92,30 @@ class SlaBoard:
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()  # accepted, refused:<code>, evicted_own, ...
         self._last_skip_log = 0.0
+        self._listeners: list[Callable[[], None]] = []
+
+    def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """``callback()`` after every report taken (a new window); returns the
+        function that unsubscribes.  It runs in the reporting thread, outside
+        the board's lock, and must not block (e.g. ``loop.call_soon_threadsafe``)."""
+        with self._lock:
+            self._listeners.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._listeners:
+                    self._listeners.remove(callback)
+
+        return unsubscribe
+
+    def _notify(self) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for fn in listeners:
+            try:
+                fn()
+            except Exception:  # a listener never breaks a report
+                log.exception("SLA board: a new-window listener failed")
 
     # ---------------------------------------------------------- writing
     def admit(self, sender: Sender) -> None:
@@ -128,6 +156,7 @@ class SlaBoard:
         except ReportRefused as e:
             self.refused(e.code)
             raise
+        self._notify()
         return len(rows)
 
     def _rows_of(self, body: SlaReport, sender: Sender, now: float) -> dict[RowKey, _Row]:

@@ -10,7 +10,11 @@ together:
   read at scrape time, served on ``metrics_addr``;
 * ``reporter``: every ``cfg.qosd.report_interval_s`` the window is closed and
   POSTed to qosd as an ``mmmesh.sla.report.SlaReport`` (the schema qosd
-  validates with).
+  validates with).  Windows close on the wall clock's multiples of the
+  interval (:func:`next_close`; the first one at least an interval after the
+  start), so every sidecar of the mesh closes the same window at the same
+  moment and qosd's controller, woken by it, judges them together
+  (docs/controller.md, "The loop's delay").
 
 :func:`merge` (from :mod:`mmmesh.sla`, shared with qosd: one merge, one
 quantile rule, one attainment) combines the reports of several sidecars (the
@@ -22,9 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -46,9 +52,19 @@ __all__ = [
     "decode_sketch",
     "encode_sketch",
     "merge",
+    "next_close",
 ]
 
 log = logging.getLogger("sidecar.sla")
+
+
+def next_close(now: float, interval: float, *, first: bool = False) -> float:
+    """When the open window closes (unix seconds): the next multiple of
+    ``interval`` after ``now`` (the first window: after ``now + interval``, so
+    that it is never shorter than one interval).  A window that closes late
+    (the loop was busy) is followed by the next multiple after its close: a
+    sidecar that fell behind skips, it does not burst."""
+    return (math.floor((now + (interval if first else 0.0)) / interval) + 1) * interval
 
 
 class SlaRecorder:
@@ -143,16 +159,15 @@ class SlaRecorder:
 
     async def _run(self) -> None:
         interval = self.cfg.qosd.report_interval_s
-        loop = asyncio.get_running_loop()
-        nxt = loop.time() + interval
+        due = next_close(time.time(), interval, first=True)
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), max(0.0, nxt - loop.time()))
+                await asyncio.wait_for(self._stopping.wait(), max(0.0, due - time.time()))
             if self._stopping.is_set():
                 return
-            nxt += interval
-            if nxt < loop.time():  # fell behind (slow qosd): skip, do not burst
-                nxt = loop.time() + interval
+            if time.time() < due:  # woke a little early (timer granularity): not yet
+                continue
+            due = next_close(time.time(), interval)
             try:
                 await self.report_now()
             except asyncio.CancelledError:

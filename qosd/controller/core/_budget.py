@@ -11,7 +11,8 @@ of a class's rate is paid, in this order, by:
    lent, never given away;
 3. classes that have slack (``donor_margin``) or no objective, least
    privileged first, each at most one step of its own per window and never
-   below its range; classes in blackout or missing do not give.
+   below its range (nor, for a class above its policy rate, below that rate
+   in the same window); classes in blackout or missing do not give.
 
 A class that lent rate gets it back (:func:`recover`) as the link frees up,
 multiplicatively like a decay; :func:`restore_budget` takes back from classes
@@ -43,6 +44,11 @@ class Ledger:
     """Rate each donor gave this step (at most one step of its own)."""
     moves: list[tuple[str, str, int, str]] = field(default_factory=list)
     """(from class, why it gave, bit/s, to class) this step."""
+    start: dict[str, int] = field(default_factory=dict)
+    """Every class's rate when the step began."""
+
+    def __post_init__(self) -> None:
+        self.start = {n: s.values["rate"] for n, s in self.subjects.items()}
 
     def headroom(self) -> int:
         return self.link - sum(s.values["rate"] for s in self.subjects.values())
@@ -92,8 +98,11 @@ def fund(led: Ledger, name: str, want: int) -> tuple[int, list[str]]:
         slack = donor_slack(spec, subj, led.law)
         if d == name or slack is None or subj.held(led.window) or subj.miss:
             continue
-        room = min(spec.steps["rate"] - led.given.get(d, 0),
-                   subj.values["rate"] - spec.ranges["rate"][0])  # fmt: skip
+        # a donor above its policy rate gives down to it, and below it a window later
+        # (a step toward the policy never passes it)
+        lo = spec.ranges["rate"][0]
+        floor = spec.policy.rate if led.start.get(d, 0) > spec.policy.rate else lo
+        room = min(spec.steps["rate"] - led.given.get(d, 0), subj.values["rate"] - floor)
         t = min(want - got, room)
         if t > 0:
             why = "no objective" if spec.objective is None else f"slack {slack:.2f}"

@@ -21,13 +21,16 @@ from mmmesh.policy import KNOBS, Policy, format_rate
 from ._budget import Ledger, fund, recover, restore_budget
 from ._explain import explain
 from ._inputs import SlaInput, StageKey
-from ._law import Law, decayed, eased, frame_rates, judge
+from ._law import Law, Verdict, causes, decayed, eased, frame_rates, gone, judge, step_of
 from ._params import SIGN, ClassSpec, Decision, Params, clamp, show, specs
 from ._persist import read_saved, snapshot
-from ._state import Record, Subject
+from ._state import Record, Subject, same
 
 Key = str | StageKey  # a class name, or (class, stage)
 STAGE_KNOBS = ("weight",)
+GRID_SLACK_S = 0.25
+"""A window taken this much before the period's start is still the period's
+(the clocks of the nodes that close it, as NTP keeps them)."""
 
 
 def key_text(key: Key) -> str:
@@ -89,17 +92,50 @@ class Controller:
         saved, why = read_saved(policy, data, now, ctrl.law, ctrl.specs)
         if saved is not None:
             ctrl.classes, ctrl.stages = saved.classes, saved.stages
-            ctrl.epoch, ctrl.window, ctrl.now = saved.epoch, saved.window, saved.saved_at
+            # on the windows' grid (an older state may not be): a window may pass by one
+            ctrl.epoch, ctrl.window, ctrl.now = (ctrl._grid(saved.epoch), saved.window,
+                                                 saved.saved_at)
             ctrl.frozen = saved.frozen
             ctrl.decision = ctrl._decide((), ctrl.frozen)
         return ctrl, why
 
     # -- the step ------------------------------------------------------------------
+    def _grid(self, t: float) -> float:
+        """The start of the window holding ``t`` on the grid of multiples of
+        ``period_s`` (the sidecars close their windows on it)."""
+        return math.floor(t / self.law.period_s) * self.law.period_s
+
+    def window_of(self, now: float) -> int:
+        """The window ``now`` falls in (what :meth:`step` would take it for)."""
+        epoch = self._grid(now) if self.epoch is None else self.epoch
+        return math.floor((now - epoch) / self.law.period_s)
+
+    def waiting(self, inp: SlaInput) -> tuple[str, ...]:
+        """The classes with an objective whose window of this period has not
+        come: the oldest part of their measure (every sender's and node's,
+        :attr:`Measure.oldest`) was taken before the period began (the
+        sidecars close their windows on its multiples), or is the window
+        already judged.  A caller that can wait for them (until late in the
+        period) steps once they have all come.  Classes without data, or
+        with stale data, are not waited for."""
+        law, out = self.law, []
+        begun = self._grid(inp.now) - GRID_SLACK_S
+        for name, spec in self.specs.items():
+            m, subj = inp.classes.get(name), self.classes[name]
+            if spec.objective is None or m is None:
+                continue
+            if m.oldest > law.stale_windows * max(m.window_s, law.period_s):
+                continue
+            taken = inp.now - m.oldest
+            if taken < begun or (subj.seen is not None and abs(taken - subj.seen) < same(m)):
+                out.append(name)
+        return tuple(out)
+
     def step(self, inp: SlaInput) -> Decision:
         """One window: judge, expire, decay, raise, recover; the decision."""
         law = self.law
         if self.epoch is None:
-            self.epoch = inp.now
+            self.epoch = self._grid(inp.now)
         w = math.floor((inp.now - self.epoch) / law.period_s)
         if w <= self.window:
             return self.decision
@@ -116,12 +152,25 @@ class Controller:
             m = inp.classes.get(name)
             subj = self.classes[name]
             subj.note = subj.note if subj.held(w) else ""
-            subj.observe(judge(spec.objective, m, law), m, w, not frozen and not subj.held(w))
+            subj.observe(judge(spec.objective, m, law), m, w, not frozen and not subj.held(w),
+                         None if m is None else inp.now - m.oldest)
         self._observe_stages(inp, w, frozen)
         led = Ledger(int(self.policy.link.rate), self.specs, self.classes, w, law)
         self._expire(w, why)
         restore_budget(led, "a class went back to its policy rate")
         ctx = frame_rates(inp.classes, law)
+        for _, subj, _, _ in self._subjects():
+            j = subj.judgement
+            if subj.counted and j is not None and j.verdict in (Verdict.OK, Verdict.COMFORT):
+                subj.calm = dict(ctx)  # the load under which it kept its objective
+            # the load of an increase: a class's load that appeared in the windows right
+            # after it (reporters' windows arrive at their own pace: a flood's first one
+            # may come after the miss it caused) is the load it was for
+            if subj.need is not None and subj.raised_w is not None and (
+                    w - subj.raised_w <= law.blackout_windows + 1):
+                for c, now_f in ctx.items():
+                    if now_f >= max(law.min_frames, subj.need.get(c, 0.0) / law.gone_share):
+                        subj.need[c] = now_f
         if frozen:
             note = f"frozen: {inp.suspect_fraction:.0%} of members suspect"
             for _, subj, _, _ in self._subjects():
@@ -166,7 +215,7 @@ class Controller:
             m = inp.stages.get(key)
             subj.note = subj.note if subj.held(w) else ""
             subj.observe(judge(self.specs[key[0]].objective, m, law), m, w,
-                         not frozen and not subj.held(w))
+                         not frozen and not subj.held(w), None if m is None else inp.now - m.oldest)
 
     def _forget_stages(self, w: int) -> None:
         for key, subj in list(self.stages.items()):
@@ -186,6 +235,7 @@ class Controller:
                                 + (f" ({j.why})" if j else ""))
                 subj.values = {k: spec.policy.get(k) for k in knobs}
             subj.need, subj.probe, subj.probed = None, self.law.probe_windows, False
+            subj.raised_w, subj.raised_on = None, None
 
     def _decay(self, subj: Subject, spec: ClassSpec, knobs: tuple[str, ...],
                ctx: dict[str, float], w: int, why: list[str]) -> None:
@@ -197,10 +247,12 @@ class Controller:
         over = [k for k in knobs if SIGN[k] * (subj.values[k] - spec.policy.get(k)) > 0]
         if not over:
             return
-        gate, probed = None, False
+        gate, probed, home = None, False, False
         if subj.need is not None and (cls := eased(subj.need, ctx, law)) is not None:
-            gate = (f"load eased: {cls} {subj.need[cls]:.0f} -> {ctx.get(cls, 0.0):.0f} "
-                    "frames a window")
+            home = gone(subj.need, ctx, cls, law)
+            gate = (f"load {'gone' if home else 'eased'}: {cls} {subj.need[cls]:.0f} -> "
+                    f"{ctx.get(cls, 0.0):.0f} frames a window"
+                    + ("; back to the policy" if home else ""))
         elif subj.comfort >= subj.probe:
             gate, probed = f"probe after {subj.comfort} comfortable windows", True
         if gate is None:
@@ -208,18 +260,24 @@ class Controller:
             return
         for k in over:
             pol = spec.policy.get(k)
-            kept = decayed(SIGN[k] * (subj.values[k] - pol), spec.steps[k], law)
+            kept = 0 if home else decayed(SIGN[k] * (subj.values[k] - pol), spec.steps[k], law)
             subj.values[k] = pol + SIGN[k] * kept
         j = subj.judgement
         why.append(f"comfortable {subj.comfort} windows ({j.why if j else ''}); {gate}")
         subj.decayed_at, subj.probed = w, probed
+        subj.raised_w, subj.raised_on = None, None
 
     def _raise(self, key: Key, subj: Subject, spec: ClassSpec, knobs: tuple[str, ...],
                led: Ledger, ctx: dict[str, float], why: dict[Key, list[str]]) -> None:
-        """Missed long enough, out of blackout: one step up on every knob that can."""
+        """Missed long enough (or urgently), out of blackout, in a window that
+        counted: one step up on every knob that can, scaled to an urgent miss."""
         law, w = self.law, led.window
-        if subj.held(w) or subj.miss < law.miss_windows:
+        if subj.held(w) or not subj.counted or subj.miss < 1:
             return
+        urgent = subj.urgent > 0
+        if subj.miss < law.miss_windows and not urgent:
+            return
+        scale = subj.urgent if urgent else 1.0
         notes = []
         if subj.probed and subj.decayed_at is not None and w - subj.decayed_at <= (
                 law.miss_windows + law.blackout_windows + 1):
@@ -227,12 +285,14 @@ class Controller:
             notes.append(f"the probe failed: next one after {subj.probe} windows")
         subj.probed = False
         start = dict(subj.values)
+        steps = {k: spec.steps[k] if scale == 1.0 else step_of(k, spec.policy.get(k), law, scale)
+                 for k in knobs}
         for k in knobs:
             v = subj.values[k]
             if not spec.can_raise(k, v):
                 continue
             if k == "rate" and isinstance(key, str):
-                want = min(spec.steps[k], spec.ranges[k][1] - v)
+                want = min(steps[k], spec.ranges[k][1] - v)
                 if v < spec.policy.rate:  # its own share back first: past it a window later
                     want = min(want, spec.policy.rate - v)
                 got, parts = fund(led, key, want)
@@ -240,12 +300,18 @@ class Controller:
                 if not got:
                     subj.note = "missing; no rate to be had (no class has slack)"
             elif k != "rate":
-                subj.values[k] = clamp(spec, k, v + SIGN[k] * spec.steps[k])
-        j = subj.judgement
+                subj.values[k] = clamp(spec, k, v + SIGN[k] * steps[k])
+        j, m = subj.judgement, subj.measure
         if subj.values != start:
-            why[key].append(f"missed {subj.miss} windows: {j.why if j else ''}"
+            what = (f"missed {subj.miss} windows" if subj.miss >= law.miss_windows
+                    else "an urgent miss")
+            size = f" ({scale:.2g} step{'s' if scale != 1.0 else ''})" if urgent else ""
+            why[key].append(f"{what}{size}: {j.why if j else ''}"
                             + "".join(f"; {n}" for n in notes))
-            subj.need = dict(ctx)
+            subj.need = causes(ctx, subj.calm, spec.name, law)
+            subj.raised_w, subj.urgent = w, 0.0
+            # an urgent step: the window after it may still hold the queue built before
+            subj.raised_on = None if m is None or not urgent else (m.p99_ms, m.attainment)
         elif not any(spec.adaptable(k) for k in knobs):
             subj.note = "missing; the policy gives it nothing to adapt (no adapt ranges)"
         elif not any(spec.can_raise(k, subj.values[k]) for k in knobs):
@@ -263,6 +329,7 @@ class Controller:
             text = "; ".join(why.get(key) or ["the rate budget"])
             subj.remember(Record(w, now, ch, change_text(ch), text), self.law)
             subj.held_until = w + self.law.blackout_windows
+            subj.changed_at = now
             changed.append(key_text(key))
         return changed
 

@@ -13,6 +13,12 @@ may take several modalities, so the rows of one class are merged: frames
 add up, attainment is frame-weighted, the p99 is the largest of the rows'
 (an upper bound of the merged p99: above the largest, each row holds at most
 1 % of its frames), nodes is the largest count, age the oldest row's.
+
+Which window a measure is (``oldest_s``): the age of the oldest window merged
+into it, every sender's and every node's (the board's ``instances``, the
+global view's ``breakdown``), so that the controller knows when *every* part
+of a class has a new window, not only the quickest, and never counts one
+window twice (docs/controller.md, "The loop's delay").
 """
 
 from __future__ import annotations
@@ -40,6 +46,13 @@ class Measure:
     """How old the data is (the oldest row merged), seconds."""
     window_s: float = 5.0
     """The length of the window measured."""
+    oldest_s: float | None = None
+    """The age of the oldest window merged in, every sender's (None: ``age_s``)."""
+
+    @property
+    def oldest(self) -> float:
+        """The age of the oldest window merged in."""
+        return self.age_s if self.oldest_s is None else max(self.age_s, self.oldest_s)
 
 
 @dataclass(frozen=True)
@@ -63,20 +76,25 @@ def _num(row: Mapping[str, Any], key: str) -> float | None:
     return float(v)
 
 
-def _merge(rows: list[tuple[int, float | None, float | None, int, float, float]]) -> Measure:
-    """(frames, attainment, p99, nodes, age, window) rows of one key as one Measure."""
+Row = tuple[int, float | None, float | None, int, float, float, float | None]
+"""(frames, attainment, p99, nodes, age, window, oldest) of one view row."""
+
+
+def _merge(rows: list[Row]) -> Measure:
+    """The rows of one key as one Measure."""
     frames = sum(r[0] for r in rows)
     att: float | None = None
     if frames and all(r[1] is not None for r in rows if r[0]):
         att = sum(r[0] * (r[1] or 0.0) for r in rows) / frames
     p99s = [r[2] for r in rows if r[0]]
     p99 = None if not p99s or any(p is None for p in p99s) else max(p or 0.0 for p in p99s)
+    oldest = [r[6] for r in rows if r[6] is not None]
     return Measure(frames, att, p99, max(r[3] for r in rows), max(r[4] for r in rows),
-                   max(r[5] for r in rows))  # fmt: skip
+                   max(r[5] for r in rows), max(oldest) if oldest else None)  # fmt: skip
 
 
 def _collect(rows: Iterable[Any], keyed: Any, read: Any) -> dict[Any, Measure]:
-    groups: dict[Any, list[tuple[int, float | None, float | None, int, float, float]]] = {}
+    groups: dict[Any, list[Row]] = {}
     for row in rows or ():
         if not isinstance(row, Mapping):
             continue
@@ -99,15 +117,38 @@ def _stage_key(row: Mapping[str, Any]) -> StageKey | None:
     return (str(c), str(s)) if ok else None
 
 
+def _oldest(rows: Iterable[Any], wall_now: float) -> dict[Any, float]:
+    """Per (class, modality) and per (stage, class, modality), the age of the
+    oldest fresh window among the board's ``instances`` (every sender's own)."""
+    out: dict[Any, float] = {}
+    for row in rows or ():
+        if not isinstance(row, Mapping) or row.get("stale"):
+            continue
+        at = _num(row, "received_at")
+        c, s, mod = row.get("sla_class"), row.get("stage"), row.get("modality")
+        if at is None or not isinstance(c, str) or not isinstance(s, str):
+            continue
+        age = max(0.0, wall_now - at)
+        for key in ((c, mod), (s, c, mod)):
+            out[key] = max(out.get(key, 0.0), age)
+    return out
+
+
 def from_board(view: Mapping[str, Any], wall_now: float) -> SlaInput:
     """The node's own board (``SlaBoard.view()``): one node, age from
-    ``received_at`` (unix seconds, as ``wall_now``)."""
+    ``received_at`` (unix seconds, as ``wall_now``), the oldest window's from
+    its ``instances``."""
+    oldest = _oldest(view.get("instances") or (), wall_now)
 
-    def read(row: Mapping[str, Any]) -> tuple[float | None, float | None, int, float, float]:
+    def read(row: Mapping[str, Any]) -> tuple[float | None, float | None, int, float, float,
+                                              float | None]:
         e2e = row.get("e2e_ms")
         p99 = _num(e2e, "p99") if isinstance(e2e, Mapping) else None
         age = max(0.0, wall_now - (_num(row, "received_at") or wall_now))
-        return (_num(row, "attainment"), p99, 1, age, _num(row, "window_s") or 0.0)
+        key = ((row.get("sla_class"), row.get("modality")) if row.get("stage") is None else
+               (row.get("stage"), row.get("sla_class"), row.get("modality")))
+        return (_num(row, "attainment"), p99, 1, age, _num(row, "window_s") or 0.0,
+                oldest.get(key))
 
     return SlaInput(now=wall_now, classes=_collect(view.get("classes") or (), _class_key, read),
                     stages=_collect(view.get("stages") or (), _stage_key, read),
@@ -116,13 +157,16 @@ def from_board(view: Mapping[str, Any], wall_now: float) -> SlaInput:
 
 def from_cluster(snapshot: Mapping[str, Any], now: float, suspect_fraction: float) -> SlaInput:
     """The global view (``SlaView.snapshot()``): ``nodes`` fresh nodes per row,
-    the age of a row its freshest node's (from ``breakdown`` when present)."""
+    the age of a row its freshest node's, the oldest window its stalest fresh
+    node's (from ``breakdown`` when present)."""
 
-    def read(row: Mapping[str, Any]) -> tuple[float | None, float | None, int, float, float]:
+    def read(row: Mapping[str, Any]) -> tuple[float | None, float | None, int, float, float,
+                                              float | None]:
         ages = [a for b in row.get("breakdown") or () if isinstance(b, Mapping)
                 and not b.get("stale") for a in (_num(b, "age_s"),) if a is not None]
         return (_num(row, "attainment"), _num(row, "p99_ms"), int(_num(row, "nodes") or 0),
-                min(ages, default=0.0), _num(row, "window_s") or 0.0)  # fmt: skip
+                min(ages, default=0.0), _num(row, "window_s") or 0.0,
+                max(ages) if ages else None)  # fmt: skip
 
     return SlaInput(now=now, classes=_collect(snapshot.get("classes") or (), _class_key, read),
                     stages=_collect(snapshot.get("stages") or (), _stage_key, read),

@@ -10,26 +10,40 @@ Per class with an objective, each window's measurement is judged:
 * ``miss``: slack < 0; ``comfort``: slack >= ``comfort_margin``; else ``ok``.
 
 Slack is the unused fraction of the objective, the smaller of the parts it
-states: ``1 - p99 / p99_ms`` and ``(attainment - a) / (1 - a)``.
+states: ``1 - p99 / p99_ms`` and ``(attainment - a) / (1 - a)``.  A miss is
+*urgent* when at least ``urgent_share`` of the window's frames missed their
+deadline (attainment <= 1 - ``urgent_share``): not a tail, the window itself.
+
+Each window is counted once: a window already judged (the same data again),
+one that began before the class's last change, and, right after an increase,
+one that still misses but less than the window the increase was made on (the
+queue built before it draining) neither count nor reset a streak.
 
 The law, per class and window (``qosd.controller.core._core`` applies it):
 
 =================  ==================================================================
-increase           after ``miss_windows`` windows that miss in a row, out of blackout:
-                   every adaptable knob one step toward privilege; a step is
-                   ``add_step`` x the policy value (at least one unit; priority: one
-                   level), never past the range.  Rate is paid from the unreserved
-                   link, then from classes that have slack (slack >= ``donor_margin``,
-                   or no objective), lowest-ranked first, each giving at most one step
-                   of its own and never below its range; a class below its policy rate
-                   (it lent) is raised back to that rate first, and past it a window
-                   later (a step toward the policy never passes it)
+increase           after ``miss_windows`` windows that miss in a row, or one urgent miss,
+                   out of blackout: every adaptable knob one step toward privilege; a
+                   step is ``add_step`` x the policy value (at least one unit; priority:
+                   one level), scaled to the miss when it is urgent (x the late share /
+                   ``urgent_share``, at most ``max_scale``), never past the range.
+                   Rate is paid from the unreserved link, then from classes that have
+                   slack (slack >= ``donor_margin``, or no objective), lowest-ranked
+                   first, each giving at most one step of its own and never below its
+                   range; a class below its policy rate (it lent) is raised back to
+                   that rate first, and past it a window later (a step toward the
+                   policy never passes it)
 decay              after ``comfort_windows`` comfortable windows in a row, out of
-                   blackout, and only if the load eased (some class's frames per window
-                   fell by ``ease`` since the last increase) or the class has been
+                   blackout, and only if the load eased (the class's own frames per
+                   window, or a class's that grew into the miss, fell by ``ease`` since
+                   the last increase; a load that appeared, ten times what it was, in
+                   the ``blackout_windows + 1`` windows after it counts as the
+                   increase's) or the class has been
                    comfortable for ``probe_windows`` (doubling after each failed probe,
                    up to ``probe_max_windows``): the excess over the policy value is
-                   multiplied by ``decay`` (rounded down; to zero below one step)
+                   multiplied by ``decay`` (rounded down; to zero below one step); a
+                   load that fell to ``gone_share`` of what it was takes every knob
+                   back to the policy value at once (toward the policy: always safe)
 blackout           ``blackout_windows`` windows after any change of a class: its
                    measurements are ignored and it is not changed (but see expiry)
 expiry             ``expire_windows`` windows without usable data: back to the policy
@@ -71,7 +85,11 @@ class Law:
     blackout_windows: int = 1
     """Windows a class is left alone after each change."""
     add_step: float = 0.5
-    """One increase, as a fraction of the policy value (the bound of every step up)."""
+    """One increase, as a fraction of the policy value (``max_scale`` of it for an urgent miss)."""
+    urgent_share: float = 0.2
+    """A miss with this share of its window's frames late (or more) is acted on at once."""
+    max_scale: float = 2.0
+    """The largest step of an urgent miss, in ``add_step``s (late share / ``urgent_share``)."""
     decay: float = 0.5
     """The share of the excess over the policy value one decay keeps."""
     comfort_margin: float = 0.3
@@ -82,6 +100,8 @@ class Law:
     """Slack a class needs to give rate to another."""
     ease: float = 0.3
     """Drop of a class's frames per window that says the load eased."""
+    gone_share: float = 0.1
+    """A load down to this share of what it was is gone: back to the policy in one decay."""
     probe_windows: int = 60
     """Comfortable windows after which a decay is tried even if no load eased."""
     probe_max_windows: int = 960
@@ -97,9 +117,13 @@ class Law:
 
     def __post_init__(self) -> None:
         check_positive(self, "law")
-        for name in ("add_step", "decay", "freeze_suspect", "ease"):
+        for name in ("add_step", "decay", "freeze_suspect", "ease", "urgent_share"):
             if not getattr(self, name) < 1:
                 raise ValueError(f"law.{name} must be < 1")
+        if not self.max_scale >= 1:
+            raise ValueError("law.max_scale must be >= 1 (an urgent step is at least a step)")
+        if not self.gone_share < 1 - self.ease:
+            raise ValueError("law.gone_share must be below 1 - law.ease (gone is eased)")
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -121,6 +145,10 @@ class Judgement:
     slack: float | None
     why: str
     """What decided it: 'p99 180 ms > 120 ms', '12 frames < 100', ..."""
+    urgent: bool = False
+    """A miss of at least ``urgent_share`` of the window's frames (acted on at once)."""
+    scale: float = 1.0
+    """The step it calls for, in steps: 1, or up to ``max_scale`` when urgent."""
 
 
 def judge(obj: Objective | None, m: Measure | None, law: Law) -> Judgement:
@@ -154,7 +182,13 @@ def judge(obj: Objective | None, m: Measure | None, law: Law) -> Judgement:
             parts.append((s, f"attainment {m.attainment:.3f} {rel} {obj.attainment:g}"))
     worst = min(parts, default=None)
     if worst is not None and worst[0] < 0:
-        return Judgement(Verdict.MISS, worst[0], "; ".join(p[1] for p in parts if p[0] < 0))
+        why = "; ".join(p[1] for p in parts if p[0] < 0)
+        late = None if m.attainment is None else 1.0 - m.attainment
+        if late is not None and late >= law.urgent_share - 1e-9:  # 1 - 0.8 is 0.19999...
+            scale = min(law.max_scale, max(1.0, late / law.urgent_share))
+            return Judgement(Verdict.MISS, worst[0], f"{why}; {late:.0%} of the frames late",
+                             urgent=True, scale=scale)
+        return Judgement(Verdict.MISS, worst[0], why)
     if unmeasured:
         return Judgement(Verdict.NODATA, None, f"{' and '.join(unmeasured)} not measured")
     assert worst is not None  # an Objective states at least one part
@@ -163,12 +197,19 @@ def judge(obj: Objective | None, m: Measure | None, law: Law) -> Judgement:
     return Judgement(verdict, worst[0], text)
 
 
-def step_of(knob: str, policy_value: int, law: Law) -> int:
-    """The size of one increase of ``knob`` (always >= one unit)."""
+def step_of(knob: str, policy_value: int, law: Law, scale: float = 1.0) -> int:
+    """The size of one increase of ``knob`` (always >= one unit; priority one
+    level whatever the scale), ``scale`` steps of ``add_step`` (an urgent miss:
+    rounded down to whole kbit, never below one step)."""
     if knob == "priority":
         return 1
     unit = KILOBIT if knob in ("rate", "ceil") else 1
-    return max(unit, math.floor(law.add_step * policy_value))
+    scale = min(max(scale, 1.0), law.max_scale)
+    one = max(unit, math.floor(law.add_step * policy_value))
+    if scale == 1.0:
+        return one
+    # a scaled step in whole units (4.219mbit, not 4219548bit), never below one step
+    return max(one, math.floor(law.add_step * scale * policy_value) // unit * unit)
 
 
 def decayed(excess: int, step: int, law: Law) -> int:
@@ -181,6 +222,25 @@ def frame_rates(classes: Mapping[str, Measure], law: Law) -> dict[str, float]:
     """Frames per window of each class (the load context an increase is tied to)."""
     return {c: m.frames * law.period_s / m.window_s
             for c, m in classes.items() if m.window_s > 0}  # fmt: skip
+
+
+def causes(now: Mapping[str, float], calm: Mapping[str, float] | None, own: str,
+           law: Law) -> dict[str, float]:
+    """The load an increase is for: of ``now`` (frames per window of every
+    class), the class's own and every class that grew since ``calm`` (the
+    last window the class kept its objective in) by as much as an ease would
+    take back (x 1 / (1 - ``ease``)), or appeared; everything when no calm
+    window is known.  A class whose load did not grow into the miss is no
+    reason for the increase, and its later dips are no reason to decay."""
+    if calm is None:
+        return dict(now)
+    return {c: v for c, v in now.items()
+            if c == own or v * (1.0 - law.ease) >= calm.get(c, 0.0)}
+
+
+def gone(need: Mapping[str, float], now: Mapping[str, float], cls: str, law: Law) -> bool:
+    """Whether ``cls``'s load (which eased) fell to ``gone_share`` of ``need``'s."""
+    return now.get(cls, 0.0) <= law.gone_share * need.get(cls, 0.0)
 
 
 def eased(need: Mapping[str, float], now: Mapping[str, float], law: Law) -> str | None:

@@ -45,7 +45,7 @@ from typing import Any
 from mmmesh.policy import Objective
 from mmmesh.sla import check_positive, decode_sketch, summary
 
-from ._inputs import Measure, _merge, _num
+from ._inputs import Measure, Row, _merge, _num
 from ._law import Judgement, Law, Verdict, judge
 
 ReplicaKey = tuple[str, int]  # (stage name, replica index)
@@ -242,8 +242,7 @@ def replica_measures(rows: Iterable[Any], who: Mapping[tuple[str, str], int],
     so a row of any other sender matches nothing.  Stale rows are left out;
     modalities of one class are merged; the p99 is the row's ``e2e_ms`` or its
     sketch's."""
-    groups: dict[tuple[ReplicaKey, str], list[tuple[int, float | None, float | None, int,
-                                                     float, float]]] = {}
+    groups: dict[tuple[ReplicaKey, str], list[Row]] = {}
     for row in rows or ():
         if not isinstance(row, Mapping) or row.get("stale"):
             continue
@@ -257,7 +256,7 @@ def replica_measures(rows: Iterable[Any], who: Mapping[tuple[str, str], int],
         age = max(0.0, wall_now - (_num(row, "received_at") or wall_now))
         groups.setdefault(((stage, replica), cls), []).append(
             (int(frames), _num(row, "attainment"), _p99(row), 1, age,
-             _num(row, "window_s") or 0.0))
+             _num(row, "window_s") or 0.0, None))
     out: dict[ReplicaKey, dict[str, Measure]] = {}
     for (key, cls), rs in sorted(groups.items()):
         out.setdefault(key, {})[cls] = _merge(rs)

@@ -172,3 +172,49 @@ def test_frozen_changes_nothing_but_expiry(policy: Policy, series: list[Measure 
             assert rec.window == w and ("expired" in rec.why or "returned" in rec.why)
         if not ctrl.decision.changed:
             assert ctrl.decision.classes == before
+
+
+URGENT_MEASURES = [*MEASURES, Measure(500, 0.2, 480.0), Measure(500, 0.75, 300.0),
+                   Measure(500, 0.0, 900.0, age_s=3.0), Measure(500, 0.5, None)]
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(policies(), st.data())
+def test_urgent_steps_are_bounded_and_the_guards_hold(policy: Policy,
+                                                      data: st.DataObject) -> None:
+    """With urgent misses in the series (issue 20): every step away from the
+    policy is at most ``max_scale`` steps (priority one level), every other
+    guarantee holds as for the rest, and the data stopping still expires."""
+    ctrl = Controller(policy, LAW)
+    names = [c.name for c in policy.classes]
+    now = 1_000_000.0
+    for w in range(data.draw(st.integers(5, 30))):
+        classes = {n: m for n in names
+                   if (m := data.draw(st.sampled_from(URGENT_MEASURES))) is not None}  # fmt: skip
+        suspect = data.draw(st.sampled_from([0.0, 0.0, 0.5]))
+        ctrl.step(SlaInput(now + data.draw(st.floats(0.0, 1.0)), classes, {}, suspect))
+        _check(policy, ctrl)
+        frozen = suspect > LAW.freeze_suspect
+        for name, subj in ctrl.classes.items():
+            spec = ctrl.specs[name]
+            recs = [r for r in subj.history if r.window == ctrl.window]
+            prev = [r for r in subj.history if r.window == ctrl.window - 1]
+            for r in recs:
+                if prev or frozen:
+                    assert "expired" in r.why or "returned" in r.why, (name, r, prev)
+                for knob, (a, b) in r.changes.items():
+                    pol = spec.policy.get(knob)
+                    if abs(b - pol) > abs(a - pol):
+                        assert abs(b - a) <= step_of(knob, pol, LAW, LAW.max_scale), (
+                            name, knob, a, b)
+                        if abs(b - a) > step_of(knob, pol, LAW):  # only an urgent miss's
+                            assert knob != "priority" and " steps): " in r.why, (name, r)
+        now += LAW.period_s
+    for _ in range(LAW.expire_windows):
+        ctrl.step(SlaInput(now, {}))
+        now += LAW.period_s
+    policy_values = Controller(policy, LAW).decision.classes
+    for name, spec in ctrl.specs.items():
+        if spec.objective is not None:
+            assert ctrl.decision.classes[name] == policy_values[name], name

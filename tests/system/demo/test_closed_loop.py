@@ -33,6 +33,7 @@ import pytest
 from demo.closed_loop import report as rep
 from demo.closed_loop.run import ClosedLoopConfig, load, warmup_policy
 from mmmesh.errors import MeshError
+from qosd.controller.core import Law
 
 ROOT = Path(__file__).resolve().parents[3]
 POLICY = {"voice": {"rate": 2_400_000, "ceil": 200_000_000, "weight": 2, "priority": 3},
@@ -104,6 +105,99 @@ def test_back_to_policy_counts_windows_from_the_flood_stop() -> None:
     back.append(ch(163.0, "weight", 3, 2))
     assert rep.back_to_policy_windows(initial, back, POLICY, 150.0, 5.0) == 3
     assert rep.params_at(initial, back, 159.0)["voice"] == {**POLICY["voice"], "weight": 3}
+
+
+def test_settling_in_seconds_and_the_windows_run_on_the_settled_values() -> None:
+    up = [ch(110.4, "rate", 2_400_000, 3_600_000), ch(160.0, "rate", 3_600_000, 2_400_000)]
+    assert rep.last_change_s(up, 100.0, 150.0) == 10.4
+    assert rep.last_change_s([], 100.0, 150.0) == 0.0
+    initial = {c: dict(v) for c, v in POLICY.items()}
+    assert rep.back_to_policy_s(initial, up, POLICY, 150.0) == 10.0
+    assert rep.back_to_policy_s(initial, up[:1], POLICY, 150.0) is None
+    assert rep.back_to_policy_s(initial, [], POLICY, 150.0) == 0.0
+    # the window the last change fell in ran partly on the values before it
+    rows = [{"phase": "flood", "i": i, "t": 5.0 * i, "start": 5.0 * i - 5.0}
+            for i in range(1, 8)]
+    assert rep.settled_from(rows, 3, 10.4) == 4  # window 3 began at 10.0 < 10.4
+    assert rep.settled_from(rows, 3, 10.0) == 3
+    assert rep.settled_from(rows, 9, 10.0) == 9  # none later: the settle window itself
+
+
+def test_window_closes_chain_on_the_senders_clock() -> None:
+    """A sender's windows start where the one before closed (its own clock):
+    the board's times give each close, up to the fastest report."""
+    wins = [{"end": 100.01, "window_s": 4.0}, {"end": 104.5, "window_s": 4.0},
+            {"end": 108.02, "window_s": 4.0}]
+    close = rep.closes(wins)
+    assert close[100.01] == pytest.approx(100.01)  # the fastest report: taken as 0
+    assert close[104.5] == pytest.approx(104.01)  # reported 0.49 s after its close
+    assert close[108.02] == pytest.approx(108.01)
+    assert rep.closes([]) == {}
+    # a window the observer missed (104.5 gone): two chains, each to its fastest report
+    gap = rep.closes([wins[0], wins[2], {"end": 112.3, "window_s": 4.0}])
+    assert gap[100.01] == pytest.approx(100.01) and gap[108.02] == pytest.approx(108.02)
+    assert gap[112.3] == pytest.approx(112.02)
+
+
+def test_kernel_changes_take_the_controllers_write_time_between_two_polls() -> None:
+    from demo.closed_loop.observe import Observation
+
+    obs = Observation(changes=[ch(12.0, "rate", 1, 2), ch(20.0, "rate", 2, 1)],
+                      counters=[(t / 4, 0, 0, 0) for t in range(100)],
+                      loop=[{"written": 11.2, "changed": ["voice"]},
+                            {"written": 11.5, "changed": []}])
+    # seen at 12.0, polled before at 11.75: the write at 11.2 is not between, 12.0 stays
+    assert [c["t"] for c in rep.kernel_changes(obs)] == [12.0, 20.0]
+    obs.loop.append({"written": 11.9, "changed": ["voice"]})
+    assert [c["t"] for c in rep.kernel_changes(obs)] == [11.9, 20.0]
+
+
+def test_the_first_missed_frame_is_when_the_queue_passes_the_deadline() -> None:
+    counters = [(99.0, 0, 0, 30_000), (100.5, 0, 0, 10_000), (101.0, 0, 0, 31_000)]
+    # 2.4 Mbit/s: 100 ms is 30 kB; before the flood's start it does not count
+    assert rep.first_miss_t(counters, 100.0, 2_400_000, 0.1) == 101.0
+    assert rep.first_miss_t(counters, 101.5, 2_400_000, 0.1) is None
+
+
+def test_the_delay_budget_adds_up_from_the_first_missed_frame_to_the_kernel_write() -> None:
+    from demo.closed_loop.observe import Observation
+
+    policy = load(ClosedLoopConfig())
+    stage = "audio-frontend"
+
+    def win(end: float, att: float) -> dict[str, Any]:
+        return {"stage": stage, "class": "voice", "modality": "audio", "end": end,
+                "window_s": 4.0, "frames": 400, "misses": round(400 * (1 - att)),
+                "attainment": att, "p99_ms": 10.0 if att == 1 else 300.0}
+
+    # flood at 100.0; windows close at 96, 100, 104 (+10 ms to the board), 108
+    obs = Observation(
+        windows=[win(96.01, 1.0), win(100.01, 1.0), win(104.01, 0.2), win(108.01, 1.0)],
+        counters=[(100.0 + t / 4, 0, 0, 40_000 if t >= 4 else 0) for t in range(40)],
+        changes=[ch(105.5, "rate", 2_400_000, 4_800_000)],
+        loop=[{"window": 1, "due": 104.0, "woke": 105.0, "read": 105.0, "decided": 105.01,
+               "written": 105.05, "done": 105.06, "changed": ["voice"],
+               "data": {"voice": 104.3}}],
+        views=[{"view": "edge", "stage": stage, "origin": "edge", "data_t": 104.01,
+                "seen": 104.6},
+               {"view": "sensors", "stage": stage, "origin": "edge", "data_t": 104.3,
+                "seen": 104.9}])
+    run = {"observation": obs, "flood_from": 100.0, "flood_to": 140.0}
+    d = rep.delay_budget(ClosedLoopConfig(), run, policy)
+    assert d is not None
+    assert d["first_miss_s"] == 1.0  # 40 kB > 30 kB queued at 101.0
+    assert d["window"] == pytest.approx(3.0, abs=0.02)  # to its window's close, 104.0
+    assert d["hysteresis"] == 0.0 and d["report"] == pytest.approx(0.0, abs=0.02)
+    assert d["view"] == pytest.approx(0.89) and d["view_local"] == pytest.approx(0.59)
+    assert d["view_peers"] == pytest.approx(0.3) and d["controller_wait"] == pytest.approx(0.1)
+    assert d["kernel_write"] == pytest.approx(0.04)
+    parts = sum(d[k] for k in ("window", "hysteresis", "report", "view", "controller_wait",
+                               "controller_step", "kernel_write"))
+    assert d["total"] == pytest.approx(parts, abs=0.01) == pytest.approx(4.05, abs=0.02)
+    assert d["second_increase_s"] is None
+    # no increase: no budget
+    assert rep.delay_budget(ClosedLoopConfig(), {**run, "observation": Observation()},
+                            policy) is None
 
 
 def test_the_kernel_holds_rates_in_bytes() -> None:
@@ -276,7 +370,16 @@ def test_the_closed_loop_demo_moves_voice_within_its_bounds_only_when_on(
         assert c["class"] == "voice" and c["knob"] in ranges, c
         lo, hi = ranges[c["knob"]]
         assert _within(c["new"], lo, hi, c["knob"]), c
-    assert 0 < res["max_step"] <= 0.5 + 1e-9  # a step is at most half the policy value
+    # a step is at most max_scale steps of half the policy value (an urgent miss's;
+    # issue 20: "max_step within the policy's bounds"; every value is in adapt, above)
+    law = Law()
+    assert 0 < res["max_step"] <= law.max_scale * law.add_step + 1e-9
+    for key in ("settle_s", "back_to_policy_s", "delay", "attainment_from_window"):
+        assert key in res, key
+    if res["delay"] is not None:  # the loop's delay, part by part: none negative
+        assert all(v >= -0.05 for k, v in res["delay"].items()
+                   if isinstance(v, float) and k != "second_increase_s"), res["delay"]
+    assert all("woke" in step and "data" in step for step in on["loop"]), on["loop"]
     assert on["decisions"] and all(d["class"] == "voice" for d in on["decisions"])
     assert any(row.get("verdict") == "miss" for row in on["controller"]), on["controller"]
 
