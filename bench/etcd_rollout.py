@@ -33,6 +33,14 @@ election 1 s):
             N^2 / period deliveries a second); the SLA view's merge of one
             bundle (``SlaView``, the code every qosd's watch feeds) is timed
             apart, so a qosd's CPU for the full view is ``N / period x merge``
+            (that every-node view is what the aggregates replaced).  With
+            ``--sla-view aggregated`` (the default: qosd's) every node also
+            runs the shard and class roles the member list gives it and
+            watches the class records ``P/sla/c/``, so the writing window is
+            the aggregated view's whole etcd cost: its aggregate writes/s,
+            record deliveries/s, etcd's CPU, and that CPU x 5000 / N (the
+            view's load is linear in N: N / period node writes, a partial per
+            shard and class, a record delivery per node and class)
 
 Gossip (same N, same run): ``RolloutSimulation`` (the real cores on the
 virtual clock, apply ``--apply-ms``): applied p50 / p99 / all, the origin's
@@ -164,7 +172,8 @@ async def worker(a: argparse.Namespace) -> None:
         client = EtcdClient(EtcdConfig(tuple(endpoints)))
         return EtcdNode(name, client, Layout(PREFIX), realiser=realise,
                         applied=lambda: applied.get(name), lease_ttl_s=10,
-                        sla_source=source, sla_period_s=a.sla_period, watch_sla=False)
+                        sla_source=source, sla_period_s=a.sla_period,
+                        watch_sla=a.sla_view == "aggregated")
 
     cached = board(1000)["classes"]
 
@@ -220,7 +229,8 @@ class Workers:
             self.procs.append(subprocess.Popen(
                 [sys.executable, __file__, "--worker", "--endpoints", ",".join(endpoints),
                  "--names", ",".join(mine), "--total", str(n), "--apply-ms", str(a.apply_ms),
-                 "--sla-period", str(a.sla_period), "--sla-watchers", str(w)],
+                 "--sla-period", str(a.sla_period), "--sla-watchers", str(w),
+                 "--sla-view", a.sla_view],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT))
 
     def wait_ready(self, timeout: float) -> None:
@@ -347,6 +357,8 @@ def window(workers: Workers, etcd: Any, pids: list[int], seconds: float) -> dict
     return {"writes_per_s": (rev1 - rev0) / (r1 - r0), "cores": (cpu1 - cpu0) / (r1 - r0),
             "sla_events_per_s": delta("sla_events") / (s1 - s0),
             "sla_events": delta("sla_events"), "sla_bytes": delta("sla_bytes"),
+            "aggregate_writes_per_s": delta("sla_aggregate_writes") / (s1 - s0),
+            "watch_events_per_s": delta("watch_events") / (s1 - s0),
             "failures": delta("write_failures")}
 
 
@@ -403,6 +415,10 @@ def run_size(n: int, a: argparse.Namespace, merge_ms: float) -> dict[str, Any]:
                    "fanout_if_all_watch_per_s": round(writes * n),
                    "etcd_cores_if_all_watch": round(writing["cores"] + per_event * writes * n, 2)
                    if per_event is not None else None,
+                   "view": a.sla_view,
+                   "aggregate_writes_per_s": round(writing["aggregate_writes_per_s"], 1),
+                   "record_deliveries_per_s": round(writing["watch_events_per_s"], 1),
+                   "etcd_cores_at_5000_linear": round(writing["cores"] * 5000 / n, 2),
                    "view_merge_ms": merge_ms,
                    "view_cpu_if_all_watch": round(n / a.sla_period * merge_ms / 1000, 3)}
             errors = {k: after.get(k, 0) for k in ("session_errors", "leases_lost",
@@ -491,6 +507,13 @@ def render(res: dict[str, Any]) -> str:
                    f"{s['etcd_cores']:>7} {s['etcd_cores_watched']:>7} {s['watchers']:>8} "
                    f"{s['delivered_share']:>9} {f(s['etcd_us_per_delivery']):>8} | "
                    f"{f(s['etcd_cores_if_all_watch']):>8} {s['view_cpu_if_all_watch']:>9}")
+    out += ["", ("etcd SLA view: aggregate writes/s (partials, records), record deliveries/s "
+                 "(every node watching P/sla/c/), etcd CPU while writing; x 5000 / N")]
+    for r in (r for r in res["etcd"] if "sla" in r):
+        s = r["sla"]
+        out.append(f"{r['nodes']:>6} {s['view']:>10} {s['aggregate_writes_per_s']:>8} "
+                   f"{s['record_deliveries_per_s']:>9} {s['etcd_cores']:>7} "
+                   f"{s['etcd_cores_at_5000_linear']:>7}")
     head = (f"{'nodes':>6} {'p50 s':>6} {'p99 s':>6} {'all s':>6} {'origin s':>8} "
             f"{'every s':>8} | {'digest every s':>14} {'digests/s':>9} {'wall s':>6}")
     out += ["", ("gossip (simulation, same apply): applied; the origin's table; every table | "
@@ -534,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sla-seconds", type=float, default=15.0,
                     help="each SLA window (idle, writing, watched), in whole periods")
     ap.add_argument("--sla-watchers", type=int, default=50, help="raw watchers of P/sla/")
+    ap.add_argument("--sla-view", choices=("aggregated", "off"), default="aggregated",
+                    help="every node watches the class records P/sla/c/ (qosd's view), or "
+                         "nothing (the shard and class roles run either way)")
     ap.add_argument("--startup-timeout", type=float, default=300.0,
                     help="seconds for every watcher of a size to be up and in sync")
     ap.add_argument("--json", action="store_true", help="print the JSON object only")

@@ -218,6 +218,12 @@ class QosdService:
         store = self._cluster
         return store.sla(nodes) if store is not None else None
 
+    def cluster_sla_breakdown(self, node: str | None = None) -> dict[str, Any] | None:
+        """Each node's own part of the view, asked on demand (GET
+        /v1/cluster/sla?nodes=true or ?node=X); None without a cluster store."""
+        store = self._cluster
+        return store.sla_breakdown(node) if store is not None else None
+
     def healthy(self) -> bool:
         return True
 

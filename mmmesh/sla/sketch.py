@@ -38,8 +38,11 @@ from __future__ import annotations
 
 import base64
 import bisect
+import functools
 import itertools
 import math
+import operator
+import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -173,10 +176,14 @@ class Sketch:
     @classmethod
     def of_counts(cls, offset: int, counts: Sequence[float], zero: float) -> Sketch:
         """From dense ``counts`` (key ``offset + i``), trimmed to the non-zero bins."""
-        nz = [i for i, c in enumerate(counts) if c]
-        if not nz:
+        n, lo = len(counts), 0
+        while lo < n and not counts[lo]:
+            lo += 1
+        if lo == n:
             return cls(0, b"", float(zero))
-        lo, hi = nz[0], nz[-1]
+        hi = n - 1
+        while not counts[hi]:
+            hi -= 1
         return cls(offset + lo, array("d", counts[lo:hi + 1]).tobytes(), float(zero))
 
 
@@ -193,47 +200,101 @@ class SketchSum:
 
     The sum of the sketches of several windows is the sketch of all their
     values (DDSketch merges exactly), so its quantiles are those of the
-    union, never an average of quantiles.  The bins go into one float64
-    array over the keys the sketches added use (at most ``KEY_SPAN``).
-    Plain Python, no numpy: qosd merges with it, and numpy's BLAS would cost
-    qosd ~20 MB and a system call (``mbind``) its hardened unit refuses."""
+    union, never an average of quantiles.  While every count added is a
+    whole number (a sidecar's always are), the bins are one Python integer of
+    64-bit lanes, one lane per key from the lowest, so adding a sketch is one
+    shift and one addition of integers (the global SLA view's aggregators add
+    thousands a second); the first fractional count turns them into one
+    float64 array over the keys (at most ``KEY_SPAN``).  Both give the same
+    sums: whole counts below 2^53 add exactly either way.  Plain Python, no
+    numpy: qosd merges with it, and numpy's BLAS would cost qosd ~20 MB and a
+    system call (``mbind``) its hardened unit refuses."""
 
-    __slots__ = ("_bins", "_lo", "zero")
+    __slots__ = ("_bins", "_int", "_lo", "_n", "zero")
 
     def __init__(self) -> None:
-        self._bins = array("d")  # key k at k - self._lo
+        self._int = 0  # whole counts: key self._lo + i in lane i (64 bits)
+        self._n = 0  # lanes in use
+        self._bins: array[float] | None = None  # fractional counts: key k at k - self._lo
         self._lo = 0
         self.zero = 0.0
 
     def add(self, sk: Sketch) -> None:
-        counts = sk.counts()
-        if counts:
-            if not self._bins:
-                self._lo = sk.offset
-            lo, hi = min(self._lo, sk.offset), max(self._lo + len(self._bins),
-                                                   sk.offset + len(counts))
-            if lo < self._lo:
-                self._bins = array("d", bytes(8 * (self._lo - lo))) + self._bins
-                self._lo = lo
-            if len(self._bins) < hi - lo:
-                self._bins.extend(array("d", bytes(8 * (hi - lo - len(self._bins)))))
-            bins, start = self._bins, sk.offset - self._lo
-            for i, c in enumerate(counts):
-                bins[start + i] += c
+        n = len(sk.bins) // 8
+        if n:
+            packed = _packed(sk) if self._bins is None else None
+            if packed is None:
+                self._add_floats(sk)
+            elif not self._n:
+                self._int, self._lo, self._n = packed, sk.offset, n
+            else:
+                lo = min(self._lo, sk.offset)
+                hi = max(self._lo + self._n, sk.offset + n)
+                if lo < self._lo:
+                    self._int <<= 64 * (self._lo - lo)
+                    self._lo = lo
+                self._int += packed << (64 * (sk.offset - self._lo))
+                self._n = hi - lo
         self.zero += sk.zero
+
+    def _add_floats(self, sk: Sketch) -> None:
+        if self._bins is None:  # from now on fractional: the lanes become floats
+            self._bins = self._counts()
+        counts = sk.counts()
+        if not self._bins:
+            self._lo = sk.offset
+        lo, hi = min(self._lo, sk.offset), max(self._lo + len(self._bins),
+                                               sk.offset + len(counts))
+        if lo < self._lo:
+            self._bins = array("d", bytes(8 * (self._lo - lo))) + self._bins
+            self._lo = lo
+        if len(self._bins) < hi - lo:
+            self._bins.extend(array("d", bytes(8 * (hi - lo - len(self._bins)))))
+        bins, start, end = self._bins, sk.offset - self._lo, sk.offset - self._lo + len(counts)
+        bins[start:end] = array("d", map(operator.add, bins[start:end], counts))
+
+    def _counts(self) -> array[float]:
+        """The bins from key ``self._lo`` on, as float64."""
+        if self._bins is not None:
+            return self._bins
+        lanes = array("Q")
+        lanes.frombytes(self._int.to_bytes(8 * self._n, "little"))
+        if _BIG:
+            lanes.byteswap()
+        return array("d", lanes)
 
     @property
     def count(self) -> float:
         """The values in all the sketches added."""
-        return self.zero + math.fsum(self._bins)
+        return self.zero + math.fsum(self._counts())
 
     def quantile_keys(self, qs: Sequence[float]) -> tuple[int, ...]:
         """The keys of the quantiles ``qs`` of everything added (see :func:`quantile_keys`)."""
-        return quantile_keys(self._lo, self._bins, self.zero, qs)
+        return quantile_keys(self._lo, self._counts(), self.zero, qs)
 
     def sketch(self) -> Sketch:
         """The sum as a canonical sketch."""
-        return Sketch.of_counts(self._lo, self._bins, self.zero)
+        return Sketch.of_counts(self._lo, self._counts(), self.zero)
+
+
+_BIG = sys.byteorder == "big"
+
+
+@functools.lru_cache(maxsize=8192)
+def _packed(sk: Sketch) -> int | None:
+    """A sketch's whole counts as 64-bit lanes of one integer (None: a
+    fractional count, or one too large for a lane); a sketch added again and
+    again (a node's window, every round) is packed once."""
+    counts = sk.counts()
+    try:
+        lanes = array("Q", map(int, counts))
+    except (OverflowError, ValueError):
+        return None
+    if array("d", lanes) != counts or max(counts, default=0.0) >= float(1 << 53):
+        return None
+    if _BIG:
+        lanes.byteswap()
+    return int.from_bytes(lanes.tobytes(), "little")
 
 
 # --------------------------------------------------------------------------

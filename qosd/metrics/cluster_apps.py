@@ -16,17 +16,30 @@ Exported (counters end in ``_total``; no per-peer labels)::
     mmmesh_rollout_dropped_total{reason}           peer input refused: malformed, oversize,
                                                    impersonation, sha_mismatch, stale
     mmmesh_cluster_sla_nodes_{known,reporting,with_sketches}
-                                                   nodes in this node's global view: with data,
+                                                   nodes in this node's global view (the
+                                                   census tree's record): that contributed,
                                                    with a fresh window, with a fresh sketch
     mmmesh_cluster_sla_{attainment_ratio,p99_seconds,frames}{class,modality}
                                                    the global view per class (every node's
                                                    fresh windows; p99 of the merged sketches)
+    mmmesh_cluster_sla_{nodes,age_seconds,oldest_age_seconds}{class,modality}
+                                                   per class: nodes merged, how old the newest
+                                                   and the oldest window merged are
     mmmesh_cluster_sla_publications_received_total{result}
-                                                   digests and bundles from peers: accepted,
-                                                   older, malformed, from_gone (a partition)
-    mmmesh_cluster_sla_digests_published_total     this node's digests gossiped
-    mmmesh_cluster_sla_left_out_total{what}        windows / sketches that did not fit
-    mmmesh_cluster_sla_nodes_forgotten_total{cause}  expired (all stale), evicted (max_origins)
+                                                   tree messages from peers: accepted, older,
+                                                   malformed, from_gone (0: the trees take no
+                                                   data by membership; kept for dashboards)
+    mmmesh_cluster_sla_inputs_total{result}        the same, finer: accepted, older, late,
+                                                   malformed, misrouted, oversized, unsolicited
+    mmmesh_cluster_sla_digests_published_total     this node's own contributions (per tree, round)
+    mmmesh_cluster_sla_records_total{how}          records taken: received, published (a root)
+    mmmesh_cluster_sla_forwards_total{complete}    partials sent up as an aggregator (yes / no:
+                                                   at the deadline, an input missing)
+    mmmesh_cluster_sla_aggregator_roles            tree nodes this member aggregates now
+    mmmesh_cluster_sla_tree_messages_total{direction}, _tree_bytes_total{direction}
+    mmmesh_cluster_sla_tree_send_failures_total, _retargets_total, _receipt_mismatches_total
+    mmmesh_cluster_sla_left_out_total{what}        rows (over max_rows) and sketches not sent
+    mmmesh_cluster_sla_nodes_forgotten_total{cause}  expired records, evicted
     mmmesh_cluster_sla_local_skipped_total         board rows this node could not publish
 
 The global view's class series are the same on every node once the view
@@ -118,6 +131,8 @@ ROLLOUT_METRICS: Spec = {
          "impersonation, sha_mismatch, stale)")),
 }
 SLA_RESULTS = ("accepted", "older", "malformed", "from_gone")
+INPUT_RESULTS = ("accepted", "older", "late", "malformed", "misrouted", "oversized",
+                 "unsolicited")
 CLUSTER_SLA_METRICS: Spec = {
     "mmmesh_cluster_sla_nodes_known": (
         "gauge", (), "Nodes whose SLA windows this node's global view holds"),
@@ -133,18 +148,47 @@ CLUSTER_SLA_METRICS: Spec = {
         "p99 end-to-end latency of the global view: every node's sketches merged, not averaged"),
     "mmmesh_cluster_sla_frames": (
         "gauge", _CM, "Frames in every node's fresh windows (global view)"),
+    "mmmesh_cluster_sla_nodes": (
+        "gauge", _CM, "Nodes whose fresh window of the class is merged (global view)"),
+    "mmmesh_cluster_sla_age_seconds": (
+        "gauge", _CM, "How old the newest window merged into the class's record is"),
+    "mmmesh_cluster_sla_oldest_age_seconds": (
+        "gauge", _CM, "How old the oldest window merged into the class's record is"),
+    "mmmesh_cluster_sla_inputs_total": (
+        "counter", ("result",),
+        ("Aggregation tree messages from peers by what became of them: accepted, older, late, "
+         "malformed, misrouted, oversized, unsolicited")),
+    "mmmesh_cluster_sla_records_total": (
+        "counter", ("how",),
+        "Per-class records this node took: received (from its parent), published (as a root)"),
+    "mmmesh_cluster_sla_forwards_total": (
+        "counter", ("complete",),
+        "Partial sums this node sent up as an aggregator (complete=no: at the deadline)"),
+    "mmmesh_cluster_sla_aggregator_roles": (
+        "gauge", (), "Aggregation tree nodes this member aggregates now (all trees)"),
+    "mmmesh_cluster_sla_tree_messages_total": (
+        "counter", ("direction",), "Aggregation tree messages sent (out) and taken (in)"),
+    "mmmesh_cluster_sla_tree_bytes_total": (
+        "counter", ("direction",), "Bytes of aggregation tree messages, out and in"),
+    "mmmesh_cluster_sla_tree_send_failures_total": (
+        "counter", (), "Aggregation tree messages that could not be delivered"),
+    "mmmesh_cluster_sla_retargets_total": (
+        "counter", (), "Partials sent again to a node's backup after a failed send"),
+    "mmmesh_cluster_sla_receipt_mismatches_total": (
+        "counter", (),
+        "Receipts that did not match what this node sent (its parent is avoided for a while)"),
     "mmmesh_cluster_sla_publications_received_total": (
         "counter", ("result",),
-        ("SLA publications (digests, push-pull bundles) from peers, by what became of them: "
-         "accepted, older, malformed, from_gone")),
+        ("SLA messages from peers (aggregation tree inputs and records), by what became of "
+         "them: accepted, older, malformed, from_gone")),
     "mmmesh_cluster_sla_digests_published_total": (
-        "counter", (), "SLA digests this node gossiped"),
+        "counter", (), "SLA contributions this node made (its windows, per tree and round)"),
     "mmmesh_cluster_sla_left_out_total": (
         "counter", ("what",),
-        "Windows (digest, bundle) and sketches (bundle) of this node that did not fit"),
+        "Rows of this node beyond a class's max_rows (windows), and sketches, not sent"),
     "mmmesh_cluster_sla_nodes_forgotten_total": (
         "counter", ("cause",),
-        "Nodes dropped from the view: expired (all their data stale), evicted (max_origins)"),
+        "Data dropped from the view: expired (records too old), evicted"),
     "mmmesh_cluster_sla_local_skipped_total": (
         "counter", (), "Rows of this node's board that could not be published"),
 }
@@ -205,7 +249,8 @@ def _rollout(app: RolloutApp, fams: dict[str, Family]) -> None:
 
 
 def _sla_view(app: SlaViewApp, fams: dict[str, Family]) -> None:
-    """The global view's classes and the view's counters."""
+    """The global view's classes and the view's counters (the aggregation
+    trees' view, ``SlaTree.snapshot``; a per-node ``SlaView``'s reads the same)."""
     view = app.snapshot(nodes=False)
     for name, key in (("mmmesh_cluster_sla_nodes_known", "nodes_known"),
                       ("mmmesh_cluster_sla_nodes_reporting", "nodes_reporting"),
@@ -214,18 +259,46 @@ def _sla_view(app: SlaViewApp, fams: dict[str, Family]) -> None:
     for row in view.get("classes") or []:
         _add_class(fams, row)
     c: Mapping[str, int] = view.get("counters") or {}
+
+    def n(*keys: str) -> float:
+        return float(sum(int(c.get(k, 0) or 0) for k in keys))
+
+    received = {"accepted": n("accepted"), "older": n("older", "late"),
+                "malformed": n("malformed", "misrouted", "oversized", "unsolicited"),
+                "from_gone": n("from_gone")}
     for result in SLA_RESULTS:
         fams["mmmesh_cluster_sla_publications_received_total"].add_metric(
-            [result], float(c.get(result, 0)))
-    fams["mmmesh_cluster_sla_digests_published_total"].add_metric([], float(c.get("published", 0)))
-    for what in ("windows", "sketches"):
-        fams["mmmesh_cluster_sla_left_out_total"].add_metric(
-            [what], float(c.get(f"{what}_left_out", 0)))
-    for cause in ("expired", "evicted"):
-        fams["mmmesh_cluster_sla_nodes_forgotten_total"].add_metric(
-            [cause], float(c.get(cause, 0)))
-    fams["mmmesh_cluster_sla_local_skipped_total"].add_metric(
-        [], float(c.get("local_skipped", 0)))
+            [result], received[result])
+    fams["mmmesh_cluster_sla_digests_published_total"].add_metric(
+        [], n("sampled") if "sampled" in c else n("published"))
+    for what, keys in (("windows", ("windows_left_out", "rows_left_out")),
+                       ("sketches", ("sketches_left_out",))):
+        fams["mmmesh_cluster_sla_left_out_total"].add_metric([what], n(*keys))
+    for cause, keys in (("expired", ("expired", "records_expired")), ("evicted", ("evicted",))):
+        fams["mmmesh_cluster_sla_nodes_forgotten_total"].add_metric([cause], n(*keys))
+    fams["mmmesh_cluster_sla_local_skipped_total"].add_metric([], n("local_skipped"))
+    if "sampled" not in c:
+        return  # a per-node view: no trees
+    for result in INPUT_RESULTS:
+        fams["mmmesh_cluster_sla_inputs_total"].add_metric([result], n(result))
+    fams["mmmesh_cluster_sla_records_total"].add_metric(["received"], n("records_received"))
+    fams["mmmesh_cluster_sla_records_total"].add_metric(["published"], n("published"))
+    complete = n("forwarded") - n("forwarded_incomplete")
+    fams["mmmesh_cluster_sla_forwards_total"].add_metric(["yes"], max(0.0, complete))
+    fams["mmmesh_cluster_sla_forwards_total"].add_metric(["no"], n("forwarded_incomplete"))
+    agg = view.get("aggregation") or {}
+    fams["mmmesh_cluster_sla_aggregator_roles"].add_metric(
+        [], float(sum(int(t.get("aggregates") or 0) for t in agg.get("trees") or [])))
+    traffic: Mapping[str, int] = view.get("traffic") or {}
+    for direction in ("out", "in"):
+        fams["mmmesh_cluster_sla_tree_messages_total"].add_metric(
+            [direction], float(traffic.get(f"messages_{direction}", 0)))
+        fams["mmmesh_cluster_sla_tree_bytes_total"].add_metric(
+            [direction], float(traffic.get(f"bytes_{direction}", 0)))
+    fams["mmmesh_cluster_sla_tree_send_failures_total"].add_metric(
+        [], float(traffic.get("send_failures", 0)))
+    fams["mmmesh_cluster_sla_retargets_total"].add_metric([], n("retargets"))
+    fams["mmmesh_cluster_sla_receipt_mismatches_total"].add_metric([], n("receipt_mismatches"))
 
 
 def _add_class(fams: dict[str, Family], row: Mapping[str, Any]) -> None:
@@ -233,6 +306,11 @@ def _add_class(fams: dict[str, Family], row: Mapping[str, Any]) -> None:
     if not row.get("nodes"):  # every node's window of it went stale: no series
         return
     fams["mmmesh_cluster_sla_frames"].add_metric(labels, float(row.get("frames") or 0))
+    fams["mmmesh_cluster_sla_nodes"].add_metric(labels, float(row.get("nodes") or 0))
+    for name, key in (("mmmesh_cluster_sla_age_seconds", "age_s"),
+                      ("mmmesh_cluster_sla_oldest_age_seconds", "oldest_age_s")):
+        if row.get(key) is not None:
+            fams[name].add_metric(labels, float(row[key]))
     attainment = row.get("attainment")
     fams["mmmesh_cluster_sla_attainment_ratio"].add_metric(
         labels, 1.0 if attainment is None else float(attainment))

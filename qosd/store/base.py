@@ -1,9 +1,9 @@
 """The cluster store: one interface in qosd, two back ends.
 
-    gossip   the peers (qosd/mesh/membership) carry the rollout and the SLA view: nothing
-             to install, every node holds everything (docs/cluster.md)
-    etcd     etcd holds the mesh's policy versions, every node's report and SLA
-             windows under leased keys; every node watches it (etcd/)
+    gossip   the peers (qosd/mesh/membership) carry the rollout and the SLA view (its
+             per-class aggregation trees): nothing to install (docs/cluster.md)
+    etcd     etcd holds the mesh's policy versions, every node's report, its SLA
+             windows and the per-class aggregates under leased keys (etcd/)
 
 The API's facade (qosd/service.py) and the SLA controller only see
 :class:`ClusterStore`; the routes' JSON shapes are the same whichever back
@@ -35,7 +35,17 @@ class ClusterStore(Protocol):
         provider of PUT /v1/cluster/policy and GET /v1/cluster/rollout."""
 
     def sla(self, nodes: bool) -> dict[str, Any] | None:
-        """The global SLA view (GET /v1/cluster/sla)."""
+        """The global SLA view (GET /v1/cluster/sla): per class the aggregate
+        of every node's windows this node holds (O(classes) whatever the
+        fleet).  ``nodes``: each row's ``breakdown`` lists the record(s) the
+        row comes from, as this node holds them (one part, named by the member
+        or key that published it: its ``age_s`` and ``stale`` are what the SLA
+        controller's staleness guard reads); never asks another node."""
+
+    def sla_breakdown(self, node: str | None) -> dict[str, Any] | None:
+        """The per-node breakdown, asked on demand: each node's own part of
+        the view (``node``: that one; None: every member, up to a bound).
+        ``{"nodes": {node: [rows]}, "asked", "answered", "truncated"}``."""
 
     def members(self) -> dict[str, Any] | None:
         """The body of GET /v1/cluster/members; None: the route reads the

@@ -56,6 +56,13 @@ class Cluster:
     sla_app: ClusterSla | None = None  # mmmesh_cluster_sla_* (ClusterAppsCollector)
 
 
+def policy_classes(source: PolicySource) -> list[str]:
+    """The class names of ``source``'s current policy: the SLA view's trees a
+    node takes part in from the start (no class: none before a policy)."""
+    cur = source.current()
+    return [c.name for c in cur.policy.classes] if cur is not None else []
+
+
 async def start_cluster_store(cfg: QosdConfig, *, applier: MeshApplier, policy: PolicySource,
                               board: BoardView, registry: CollectorRegistry | None = None,
                               ) -> Cluster | None:
@@ -84,7 +91,8 @@ async def start_cluster_store(cfg: QosdConfig, *, applier: MeshApplier, policy: 
         peers = await start_peers(cfg, registry)  # None without a peers: section
         if peers is None:
             return None
-        sla_app = ClusterSla(peers, board, lambda: p99_targets(policy))
+        sla_app = ClusterSla(peers, board, lambda: p99_targets(policy),
+                             lambda: policy_classes(policy))
         rollout_app = ClusterRollout(peers, applier, policy, link_override(cfg))
         cluster = Cluster(GossipStore(peers, rollout_app, sla_app), peers, rollout_app, sla_app)
     await cluster.store.start()

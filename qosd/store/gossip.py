@@ -43,6 +43,9 @@ class GossipStore:
     def sla(self, nodes: bool) -> dict[str, Any] | None:
         return self.sla_app.snapshot(nodes)
 
+    def sla_breakdown(self, node: str | None) -> dict[str, Any] | None:
+        return self.sla_app.breakdown(node)
+
     def members(self) -> dict[str, Any] | None:
         return None  # the route reads the peers (qosd/api/cluster.py)
 

@@ -327,6 +327,16 @@ class Peers:
             return None
         return await self._pool.fetch(info.addr, node, section, key)
 
+    async def fetch_detail(self, node: str, section: str, key: str,
+                           timeout: float | None = None) -> tuple[bytes | None, str]:
+        """:meth:`fetch`, with why it gave nothing (``Pool.fetch_detail``'s
+        reasons, and "unknown": no such member or no address, so nothing was
+        sent); ``timeout``: this call's deadline (default the bulk lane's)."""
+        info = self.core.member(node)
+        if info is None or not info.addr or self._pool is None:
+            return None, "unknown"
+        return await self._pool.fetch_detail(info.addr, node, section, key, timeout)
+
     def _serve_fetch(self, peer: str, section: str, key: str) -> bytes | None:
         handler = self._fetchers.get(section)
         return None if handler is None else handler(peer, key)

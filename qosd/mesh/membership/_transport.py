@@ -287,15 +287,24 @@ class Pool:
 
     async def fetch(self, addr: str, node: str, section: str, key: str) -> bytes | None:
         """Asks ``node`` at ``addr`` for an item; None when it has none or fails."""
+        return (await self.fetch_detail(addr, node, section, key))[0]
+
+    async def fetch_detail(self, addr: str, node: str, section: str, key: str,
+                           timeout: float | None = None) -> tuple[bytes | None, str]:
+        """:meth:`fetch` with why it gave nothing: ``(data, "")``, ``(None,
+        "absent")`` (the peer has no such item) or ``(None, reason)``, a
+        SEND_FAILURES reason ("unavailable": no connection, or it broke;
+        "deadline": ``timeout``, default the bulk lane's, passed)."""
         req = peer_pb2.FetchRequest(section=section, key=key).SerializeToString()
         try:
             raw = await self._call(self._channel(addr, node, BULK), "Fetch")(
-                req, timeout=self._deadline[BULK])
+                req, timeout=self._deadline[BULK] if timeout is None else timeout)
         except grpc.aio.AioRpcError as e:
-            self.traffic.send_failures[_failure(e)] += 1
-            return None
+            reason = _failure(e)
+            self.traffic.send_failures[reason] += 1
+            return None, reason
         reply = peer_pb2.FetchReply.FromString(raw)
-        return bytes(reply.data) if reply.found else None
+        return (bytes(reply.data), "") if reply.found else (None, "absent")
 
     async def sweep(self, idle_s: float) -> None:
         """Closes channels unused for ``idle_s`` and forgets stale identities."""

@@ -1,25 +1,25 @@
 """What a node holds of the watched prefixes: a sans-I/O mirror of etcd.
 
-The host lists ``P/policy/``, ``P/members/`` and ``P/sla/`` at one revision
+The host lists ``P/policy/``, ``P/members/`` and ``P/sla/c/`` at one revision
 (:meth:`Mirror.reset`), then feeds every watch batch after it
 (:meth:`Mirror.apply`).  A reset after a compaction or a reconnect is a full
 re-list: whatever the mirror held that is no longer in etcd is treated as
 deleted, so no update is lost whatever the watch missed.  Members are the
 nodes whose leased ``P/members/<node>`` key exists; a deleted one (its lease
 expired, or it revoked it on leaving) is *gone*: kept as a tombstone for
-``GONE_RETENTION_S`` so rollout tables show it as ``gone``, and its SLA
-windows leave the view at once (``SlaView.on_member_gone``), as a dead
-member's do with gossip.
+``GONE_RETENTION_S`` so rollout tables show it as ``gone``.  The SLA class
+records (one key per class, ``P/sla/c/``) go to ``records`` (the node's
+``EtcdSla``): a dead node's share leaves them when its own windows' key
+goes with its lease (sla.py).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from qosd.mesh.membership.core import MemberInfo, State
-from qosd.mesh.slaview.core import SlaView
 from qosd.store.etcd.client import KeyValue, WatchEvent
 from qosd.store.etcd.keys import Dropped, Layout, MemberRecord, PolicyRecord
 
@@ -39,13 +39,18 @@ class MirrorStats:
         self.malformed[what] = self.malformed.get(what, 0) + 1
 
 
-class Mirror:
-    """The desired policy, the members and (with a view) everyone's SLA windows."""
+Records = Callable[[bytes, bytes | None, float], None]
+"""``records(key, value or None when deleted, now)`` for each ``P/sla/c/`` key."""
 
-    def __init__(self, node_id: str, layout: Layout, view: SlaView | None = None) -> None:
+
+class Mirror:
+    """The desired policy, the members and (with ``records``) the SLA records."""
+
+    def __init__(self, node_id: str, layout: Layout, records: Records | None = None) -> None:
         self.node_id = node_id
         self.layout = layout
-        self.view = view
+        self.records = records
+        self._record_keys: set[bytes] = set()
         self.revision = 0
         self.desired: PolicyRecord | None = None
         self.members: dict[str, MemberRecord] = {}
@@ -57,7 +62,7 @@ class Mirror:
         """Everything under the watched prefixes at ``revision`` (a full list)."""
         self.stats.resets += 1
         seen_members: set[str] = set()
-        seen_sla: set[str] = set()
+        seen_records: set[bytes] = set()
         policy: KeyValue | None = None
         for kv in kvs:
             if kv.key == self.layout.current:
@@ -65,16 +70,14 @@ class Mirror:
             elif (node := Layout.node_of(kv.key, self.layout.members)) is not None:
                 seen_members.add(node)
                 self._member(node, kv, now)
-            elif (node := Layout.node_of(kv.key, self.layout.sla)) is not None:
-                seen_sla.add(node)
-                self._sla(node, kv.value, now)
+            elif kv.key.startswith(self.layout.sla_records):
+                seen_records.add(kv.key)
+                self._record(kv.key, kv.value, now)
         self._policy(policy)
         for node in set(self.members) - seen_members:
             self._member_gone(node, now)
-        if self.view is not None:  # windows of nodes whose key went while we were away
-            for node in self._view_origins() - seen_sla - {self.node_id}:
-                self.view.on_member_gone(node)
-                self.view.on_member_alive(node)
+        for key in self._record_keys - seen_records:  # records that went while we were away
+            self._record(key, None, now)
         self.revision = revision
 
     def apply(self, revision: int, events: Iterable[WatchEvent], now: float) -> None:
@@ -89,13 +92,8 @@ class Mirror:
                     self._member(node, kv, now)
                 else:
                     self._member_gone(node, now)
-            elif (node := Layout.node_of(kv.key, self.layout.sla)) is not None:
-                if e.type == "put":
-                    self._sla(node, kv.value, now)
-                elif self.view is not None and node != self.node_id:
-                    self.view.on_member_gone(node)
-                    if node in self.members:
-                        self.view.on_member_alive(node)
+            elif kv.key.startswith(self.layout.sla_records):
+                self._record(kv.key, kv.value if e.type == "put" else None, now)
         self.revision = max(self.revision, revision)
 
     def _policy(self, kv: KeyValue | None) -> None:
@@ -116,11 +114,8 @@ class Mirror:
         if rec.left:  # written just before its lease is revoked: it is leaving
             self._member_gone(node, now, left=True, last=rec)
             return
-        fresh = node not in self.members
         self.members[node] = rec
         self.gone.pop(node, None)
-        if fresh and self.view is not None:
-            self.view.on_member_alive(node)
 
     def _member_gone(self, node: str, now: float, *, left: bool = False,
                      last: MemberRecord | None = None) -> None:
@@ -130,20 +125,15 @@ class Mirror:
         if node not in self.gone or left:
             was_left = left or (node in self.gone and self.gone[node][1])
             self.gone[node] = (now, was_left, rec)
-        if self.view is not None:
-            self.view.on_member_gone(node)
         self._trim(now)
 
-    def _sla(self, node: str, data: bytes, now: float) -> None:
-        if self.view is None or node == self.node_id:
-            return
-        if self.view.on_app_state(node, data, now) == 0 and data[:1] != b"\xd2":
-            self.stats.bad("sla")
-
-    def _view_origins(self) -> set[str]:
-        assert self.view is not None
-        return {o for o in self.members | dict.fromkeys(self.gone)
-                if self.view.known(o) != (None, None)}
+    def _record(self, key: bytes, value: bytes | None, now: float) -> None:
+        if value is None:
+            self._record_keys.discard(key)
+        else:
+            self._record_keys.add(key)
+        if self.records is not None:
+            self.records(key, value, now)
 
     def _trim(self, now: float) -> None:
         for node in [n for n, (at, _, _) in self.gone.items() if now - at > GONE_RETENTION_S]:

@@ -24,7 +24,9 @@ Tasks:
   A failed write is retried after ``RETRY_S``.
 * **sla** — every ``sla_period_s`` the source's windows become this node's
   publication (``SlaView.local_windows``), written as its bundle under
-  ``P/sla/<node>``; peers' bundles reach the view through the watch.
+  ``P/sla/n/<bucket>/<node>``; the shard and class roles the member list
+  gives this node aggregate them (``sla.py``: ``EtcdSla``), and the view is
+  the class records under ``P/sla/c/``, through the watch.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from qosd.store.etcd.keys import (
     encode_ack,
 )
 from qosd.store.etcd.mirror import Mirror
+from qosd.store.etcd.sla import EtcdSla
 
 log = logging.getLogger("qosd.store.cluster")
 T = TypeVar("T")
@@ -95,11 +98,12 @@ class EtcdNode:
         self.realiser, self.applied = realiser, applied
         self.lease_ttl_s, self.sla_source, self.sla_period_s = lease_ttl_s, sla_source, sla_period_s
         self.addr = addr
-        self.view: SlaView | None = None
-        if watch_sla or sla_source is not None:
+        self.view: SlaView | None = None  # this node's own publication (its windows' key)
+        if sla_source is not None:
             self.view = SlaView(node_id, SlaViewConfig(cluster=CoreConfig()),
                                 seq_start=time.time_ns() // 1000)
-        self.mirror = Mirror(node_id, layout, self.view if watch_sla else None)
+        self.sla = EtcdSla(self)
+        self.mirror = Mirror(node_id, layout, records=self.sla.on_record if watch_sla else None)
         self.watch_sla = watch_sla
         self.up = False
         self.since = time.time()
@@ -132,6 +136,7 @@ class EtcdNode:
             self._tasks.append(asyncio.create_task(coro, name=f"etcd-{name}-{self.node_id}"))
         if self.sla_source is not None:
             self._tasks.append(asyncio.create_task(self._sla_loop(), name="etcd-sla"))
+            self._tasks.append(asyncio.create_task(self.sla.run(), name="etcd-sla-roles"))
 
     async def stop(self, *, leave: bool = True) -> None:
         """Stops; with ``leave``, marks the member key left and revokes the lease
@@ -198,7 +203,7 @@ class EtcdNode:
 
     def _prefixes(self) -> list[bytes]:
         lay = self.layout
-        return [lay.policy_dir, lay.members] + ([lay.sla] if self.watch_sla else [])
+        return [lay.policy_dir, lay.members] + ([lay.sla_records] if self.watch_sla else [])
 
     async def _list(self) -> None:
         rev, kvs = await self.client.range_prefix(self.layout.policy_dir, timeout=10)
@@ -314,6 +319,7 @@ class EtcdNode:
             try:
                 board = await self._sla_bytes()
                 self.publish_sla(board)
+                self.sla.own(dict(board))
                 empty = not (board.get("classes") or board.get("stages"))
                 lease = self.lease
                 if lease and self.up and not (empty and self._sla_empty == lease):
@@ -340,10 +346,12 @@ class EtcdNode:
         self._sla_data = self.view.app_state(now, relay=False)
 
     def sla_snapshot(self, targets: Mapping[str, float] | None, nodes: bool) -> dict[str, Any]:
-        assert self.view is not None
-        snap = self.view.snapshot(time.monotonic(), targets, nodes=nodes)
-        snap["members"] = len(self.mirror.members) or 1
-        return snap
+        """The view: the class records this node watches (``EtcdSla``)."""
+        return self.sla.snapshot(targets, nodes, len(self.mirror.members) or 1)
+
+    async def sla_breakdown(self, node: str | None) -> dict[str, Any]:
+        """Each node's own windows, read now from its key."""
+        return await self.sla.breakdown(node)
 
     # -- the API's side ------------------------------------------------------------
     async def propose(self, text: str, base: MeshVersion | None, author: str | None

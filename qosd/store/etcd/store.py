@@ -83,6 +83,12 @@ class EtcdStore:
 
         return self.node.call(take)
 
+    def sla_breakdown(self, node: str | None) -> dict[str, Any] | None:
+        async def take() -> dict[str, Any]:
+            return await self.node.sla_breakdown(node)
+
+        return self.node.call(take)
+
     def members(self) -> dict[str, Any]:
         async def take() -> dict[str, Any]:
             n = self.node

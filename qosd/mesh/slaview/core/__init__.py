@@ -41,7 +41,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mmmesh.sla import MAX_COUNT, MAX_NAME, parse_sketch, value_key, within_deadline
 from qosd.mesh.membership.core import (
     AppBroadcast,
     AppMessage,
@@ -51,13 +50,11 @@ from qosd.mesh.membership.core import (
     MemberChanged,
     State,
 )
+from qosd.mesh.slaview.core._aggregate import Census, Part, RecordRow, add_parts
+from qosd.mesh.slaview.core._board import row_order, window_of
 from qosd.mesh.slaview.core._codec import (
-    MAX_AGE_MS,
     MAX_BUNDLES,
-    MAX_STAGE,
-    MAX_WINDOW_MS,
     MAX_WINDOWS,
-    NO_KEY,
     Key,
     Limits,
     Publication,
@@ -71,9 +68,56 @@ from qosd.mesh.slaview.core._codec import (
     encode_tail,
 )
 from qosd.mesh.slaview.core._config import SlaViewConfig, SlaViewStats
-from qosd.mesh.slaview.core._merge import NodeWindow, collapse, merge_row, sketch_keys
+from qosd.mesh.slaview.core._keyagg import LeafSum, PartialSum, RecordBook
+from qosd.mesh.slaview.core._merge import NodeWindow, merge_row, sketch_keys
+from qosd.mesh.slaview.core._topology import Arc, Child, Path, Topology, position
+from qosd.mesh.slaview.core._tree import (
+    CENSUS,
+    HeldRecord,
+    Out,
+    SlaTree,
+    TreeConfig,
+    TreeStats,
+    view_snapshot,
+)
+from qosd.mesh.slaview.core._tree_wire import Down, Up, decode, up_digest
 
-__all__ = ["KEY_PREFIX", "SlaView", "SlaViewConfig", "SlaViewStats"]
+__all__ = [
+    "CENSUS",
+    "KEY_PREFIX",
+    "Arc",
+    "Census",
+    "Child",
+    "Down",
+    "HeldRecord",
+    "LeafSum",
+    "Out",
+    "Part",
+    "PartialSum",
+    "Path",
+    "RecordBook",
+    "RecordRow",
+    "SlaTree",
+    "SlaView",
+    "SlaViewConfig",
+    "SlaViewStats",
+    "StateLimits",
+    "Topology",
+    "TreeConfig",
+    "TreeStats",
+    "Up",
+    "Window",
+    "add_parts",
+    "decode",
+    "decode_state",
+    "position",
+    "sketch_keys",
+    "up_digest",
+    "view_snapshot",
+]
+
+StateLimits = Limits
+"""What a per-node publication may hold when it is read (``decode_state``)."""
 
 KEY_PREFIX = "sla/"
 
@@ -143,7 +187,7 @@ class SlaView:
         windows: dict[Key, Window] = {}
         for node_wide, rows in ((True, board_view.get("classes")),
                                 (False, board_view.get("stages"))):
-            for row in sorted(rows or (), key=_row_order):
+            for row in sorted(rows or (), key=row_order):
                 try:
                     w = self._local(row, node_wide, wall)
                 except (ValueError, KeyError, TypeError, AttributeError):
@@ -173,30 +217,7 @@ class SlaView:
 
     def _local(self, row: Mapping[str, Any], node_wide: bool, wall: float) -> Window:
         """One board row (``SlaMerged``) as a window; raises what makes it unreadable."""
-        stage = None if node_wide else str(row["stage"])
-        cls, mod = str(row["sla_class"]), str(row["modality"])
-        if not (0 < len(cls) <= MAX_NAME and 0 < len(mod) <= MAX_NAME) or (
-                stage is not None and not 0 < len(stage) <= MAX_STAGE):
-            raise ValueError("name out of bounds")
-        frames, late = int(row["frames"]), int(row["deadline_misses"])
-        if not 0 <= late <= frames or frames > MAX_COUNT:
-            raise ValueError("counts out of bounds")
-        # carried: the frames not within their deadline (late or dropped), what
-        # the row's attainment is made of (mmmesh.sla's one definition)
-        misses = frames - round(within_deadline(frames, row.get("attainment"), late))
-        window_ms = min(MAX_WINDOW_MS, max(0, round(float(row.get("window_s") or 0) * 1000)))
-        age_ms = min(MAX_AGE_MS, max(0, round((wall - float(row["received_at"])) * 1000)))
-        sketch = parse_sketch(row["sketch_e2e"]) if row.get("sketch_e2e") else None
-        if sketch is not None and sketch.count > 0:
-            sketch = collapse(sketch, self.config.max_sketch_bins)
-            quantiles = sketch_keys(sketch)
-        else:
-            sketch = None
-            e2e = row.get("e2e_ms") or {}
-            quantiles = (value_key(e2e.get("p50")), value_key(e2e.get("p99")), NO_KEY)
-            if quantiles[0] > quantiles[1] and quantiles[1] != NO_KEY:
-                quantiles = (NO_KEY, NO_KEY, NO_KEY)
-        return Window(stage, cls, mod, frames, misses, window_ms, age_ms, quantiles, sketch)
+        return window_of(row, node_wide, wall, self.config.max_sketch_bins)
 
     def known(self, origin: str) -> tuple[int | None, int | None]:
         """The sequence numbers held of ``origin``: (newest publication,
@@ -447,14 +468,6 @@ def _fields(k: Key) -> dict[str, Any]:
     out: dict[str, Any] = {} if k[0] is None else {"stage": k[0]}
     out.update(sla_class=k[1], modality=k[2])
     return out
-
-
-def _row_order(row: Any) -> tuple[str, str, str]:
-    """Board rows in a fixed order (whatever the board's order was)."""
-    if not isinstance(row, Mapping):
-        return ("", "", "")
-    return (str(row.get("stage") or ""), str(row.get("sla_class") or ""),
-            str(row.get("modality") or ""))
 
 
 def _ms(seconds: float) -> int:

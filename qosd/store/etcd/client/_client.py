@@ -162,8 +162,13 @@ class EtcdClient:
                            timeout: float | None = None) -> tuple[int, list[KeyValue]]:
         """Every key under ``prefix`` at ``revision`` (0: now): (revision, kvs).
         Compacted when ``revision`` was compacted away."""
+        return await self.range(prefix, prefix_end(prefix), revision=revision, timeout=timeout)
+
+    async def range(self, key: bytes, range_end: bytes, *, revision: int = 0,
+                    timeout: float | None = None) -> tuple[int, list[KeyValue]]:
+        """Every key in [``key``, ``range_end``) at ``revision`` (0: now)."""
         r = await self._call("range", rpc_pb2_grpc.KVStub, "Range", rpc_pb2.RangeRequest(
-            key=prefix, range_end=prefix_end(prefix), revision=revision), timeout)
+            key=key, range_end=range_end, revision=revision), timeout)
         return r.header.revision, [KeyValue.of(kv) for kv in r.kvs]
 
     async def put(self, key: bytes, value: bytes, lease: int = 0,
@@ -228,14 +233,17 @@ class EtcdClient:
             ka.cancel()
 
     # -- watches and status --------------------------------------------------------
-    async def watch(self, prefixes: Sequence[bytes], start_revision: int) -> Watch:
-        """A watch of every key under each of ``prefixes`` from ``start_revision``
-        on (one stream).  Compacted when that revision is gone."""
+    async def watch(self, prefixes: Sequence[bytes], start_revision: int,
+                    ranges: Sequence[tuple[bytes, bytes]] = ()) -> Watch:
+        """A watch of every key under each of ``prefixes`` and in each of
+        ``ranges`` ([key, range_end)) from ``start_revision`` on (one stream).
+        Compacted when that revision is gone."""
         self.requests["watch"] = self.requests.get("watch", 0) + 1
         stub = rpc_pb2_grpc.WatchStub(await self.channel())  # type: ignore[no-untyped-call]
         w = Watch(stub.Watch(metadata=_LEADER))
         try:
-            await w.create(prefixes, start_revision, self.cfg.timeout_s)
+            await w.create([(p, prefix_end(p)) for p in prefixes] + list(ranges),
+                           start_revision, self.cfg.timeout_s)
         except BaseException:
             w.cancel()
             raise
@@ -257,12 +265,13 @@ class Watch:
         self._call = call
         self.ids: list[int] = []
 
-    async def create(self, prefixes: Sequence[bytes], start: int, timeout: float) -> None:
-        for p in prefixes:
+    async def create(self, ranges: Sequence[tuple[bytes, bytes]], start: int,
+                     timeout: float) -> None:
+        for key, end in ranges:
             try:
                 await self._call.write(rpc_pb2.WatchRequest(
                     create_request=rpc_pb2.WatchCreateRequest(
-                        key=p, range_end=prefix_end(p), start_revision=start)))
+                        key=key, range_end=end, start_revision=start)))
             except grpc.aio.AioRpcError as e:
                 raise error_of(e) from None
             except asyncio.InvalidStateError:
