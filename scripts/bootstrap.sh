@@ -11,7 +11,8 @@
 # test, in addition: iperf3 (bench/qos.py), systemd (the unit tests run
 # systemd-analyze and systemd itself), prometheus (promtool, a real scraper),
 # etcd-server and etcd-client (the etcd back end's tests and bench), vagrant,
-# vagrant-libvirt and shellcheck (tests/system/vagrant), mmmesh[test] in .venv,
+# vagrant-libvirt and shellcheck (tests/system/vagrant), libvirt, QEMU,
+# mmdebstrap and podman (the VM testbed, vagrant/prepare.sh), mmmesh[test] in .venv,
 # MLServer in .venv-mlserver (scripts/mlserver-env.sh), and a wheelhouse for
 # the sidecar-only install test (.cache/wheelhouse: mmmesh[sidecar]'s wheels).
 set -euo pipefail
@@ -34,6 +35,12 @@ if [ "$PROFILE" = test ]; then
   # vagrant/ (tests/system/vagrant/test_vagrant.py): `vagrant validate`, which with the libvirt
   # plugin also checks that provider's block, ruby for vagrant/pki.rb, shellcheck
   PKGS+=(vagrant vagrant-libvirt shellcheck)
+  # the VM testbed (vagrant/prepare.sh): libvirt and QEMU (KVM, or emulation where KVM does
+  # not work), the box's and the base image's builders, podman for the sidecar's image
+  # (vagrant/box/host.sh and vagrant/artifacts.sh check the same, and start nothing here)
+  PKGS+=(libvirt-daemon-system libvirt-clients qemu-system-x86 qemu-utils dnsmasq-base
+    iptables busybox-static cpio rsync mmdebstrap e2fsprogs fdisk podman crun catatonit
+    netavark aardvark-dns)
 fi
 missing=()
 for p in "${PKGS[@]}"; do

@@ -3,7 +3,7 @@
 # Certificates for the Vagrant testbed, made on the host by Vagrant's own Ruby
 # (its openssl library: nothing to install on the host), once, before the
 # first VM boots; every VM gets them through the synced folder
-# (/opt/mmmesh/vagrant/pki) and vagrant/provision.sh copies its own.
+# (/opt/mmmesh-testbed/vagrant/pki) and vagrant/provision.sh copies its own.
 #
 #   pki/ca.pem                      the mesh CA (peers.ca_file on every node)
 #   pki/<node>.pem, <node>.key      the node's peer certificate: URI SAN
@@ -14,6 +14,8 @@
 #   pki/etcd/<node>-server.pem/.key etcd's serving and peer certificate on that
 #                                   node (DNS <node>, localhost; IP <ip>, 127.0.0.1)
 #   pki/etcd/<node>-client.pem/.key qosd's etcd client certificate (CN <node>)
+#   pki/api-token                   the bearer token of the nodes' admin API over TCP
+#                                   (api_tcp on the private address, port 8470)
 #   pki/nodes                       the "name ip" list they were made for
 #
 # The CA keys are never written: nothing can issue another certificate for
@@ -101,7 +103,14 @@ module MmmeshPki
       write(File.join(dir, "etcd", "#{name}-client.pem"), c.to_pem, 0o644)
       write(File.join(dir, "etcd", "#{name}-client.key"), key_pem(k), 0o600)
     end
+    write_token(dir)
     write(File.join(dir, "nodes"), nodes.map { |n, ip, _| "#{n} #{ip}\n" }.join, 0o644)
+  end
+
+  # the bearer token of every node's admin API over TCP (api_tcp on the private
+  # address): mmmeshctl --server http://<ip>:8470 --token "$(cat pki/api-token)"
+  def self.write_token(dir)
+    write(File.join(dir, "api-token"), "#{SecureRandom.hex(24)}\n", 0o600)
   end
 
   # Makes dir (atomically: built beside it, then renamed) unless it is there
@@ -116,7 +125,13 @@ module MmmeshPki
       lock.flock(File::LOCK_EX)
       stamp = File.join(dir, "nodes")
       if File.exist?(stamp)
-        return false if File.read(stamp) == want
+        if File.read(stamp) == want
+          # a set made before the API token existed gets one (nothing else changes)
+          return false if File.exist?(File.join(dir, "api-token"))
+
+          write_token(dir)
+          return true
+        end
 
         raise "#{dir} was made for other nodes than #{nodes_conf}: delete it and run " \
               "`vagrant provision` (every node gets the new certificates)"

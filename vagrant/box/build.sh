@@ -53,6 +53,15 @@ die() { printf '[build.sh] error: %s\n' "$*" >&2; exit 1; }
 
 [ "$(id -u)" -eq 0 ] || die "run as root (mmdebstrap, loop devices, mounts)"
 
+# The build's mounts in a mount namespace of their own: a process that unshares
+# its mount namespace meanwhile (ip netns exec, a container, libvirt's QEMU)
+# would otherwise get a copy of them and keep the new file system busy after
+# our umount ("/dev/loop0p1 is in use" from e2fsck; / is not a shared mount
+# when PID 1 is not systemd, so the umount does not reach that copy).
+if [ -z "${MMMESH_BOX_UNSHARED:-}" ]; then
+  MMMESH_BOX_UNSHARED=1 exec unshare --mount --propagation private -- "$SELF" "$@"
+fi
+
 # Vagrant's insecure public key, from vagrant itself (keys/vagrant.pub in its gem)
 insecure_key() {
   local f
@@ -89,6 +98,7 @@ BOXES="$CACHE/boxes"
 BOX="$BOXES/$KEY.box"
 VAGRANT_DIR="${VAGRANT_HOME:-$HOME/.vagrant.d}"
 INSTALLED_INFO="$VAGRANT_DIR/boxes/${BOX_NAME//\//-VAGRANTSLASH-}/0/libvirt/info.json"
+INSTALLED_IMG="${INSTALLED_INFO%/*}/box.img"
 mkdir -p "$BOXES"
 exec 9>"$CACHE/build.lock"
 flock -w 3600 9 || die "another build.sh holds $CACHE/build.lock"
@@ -101,7 +111,13 @@ cleanup() {
     umount -R "$WORK/root" 2>/dev/null
   fi
   [ -n "$LOOP" ] && losetup -d "$LOOP" 2>/dev/null
-  [ -n "$WORK" ] && rm -rf "$WORK"
+  [ -n "$WORK" ] || return 0
+  # never rm -rf through a mount (proc, sysfs, the new disk)
+  if awk -v w="$WORK/" 'index($5, w) == 1 {found = 1} END {exit !found}' /proc/self/mountinfo; then
+    log "left $WORK alone: something is still mounted under it"
+  else
+    rm -rf "$WORK"
+  fi
 }
 
 in_root() { chroot "$WORK/root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
@@ -162,14 +178,17 @@ ExecStart=/usr/bin/ssh-keygen -A
 [Install]
 WantedBy=ssh.service
 EOF
-  in_root systemctl enable ssh-host-keys.service ssh.service systemd-timesyncd.service \
+  in_root systemctl enable ssh-host-keys.service ssh.service chrony.service \
     systemd-networkd.service systemd-resolved.service >/dev/null 2>&1 ||
     die "systemctl enable failed"
+  # etcd runs only on the etcd node of the etcd variant (vagrant/provision.sh
+  # enables it there); the package enables it everywhere
+  in_root systemctl disable etcd.service >/dev/null 2>&1 || true
+  # chrony: no public pool (nothing resolves from the VMs here); provision.sh
+  # adds the host as the source (/etc/chrony/sources.d/mmmesh.sources)
+  sed -i 's/^pool /#pool /' "$r/etc/chrony/chrony.conf"
   : >"$r/etc/machine-id"
   rm -f "$r/var/lib/dbus/machine-id"
-  # bpffs where qosd pins (systemd mounts it on its own too, this makes it explicit)
-  grep -q ' /sys/fs/bpf ' "$r/etc/fstab" ||
-    echo 'bpffs /sys/fs/bpf bpf defaults 0 0' >>"$r/etc/fstab"
   # grub: serial and VGA consoles, classic NIC names (eth0 ...), no menu wait
   cat >"$r/etc/default/grub" <<'EOF'
 # vagrant/box/build.sh
@@ -256,8 +275,20 @@ EOF
   find "$WORK/root/var/log" -type f -exec truncate -s 0 {} +
   umount "$WORK/root/sys" "$WORK/root/proc" "$WORK/root/dev"
   fstrim "$WORK/root" >/dev/null 2>&1 || true # freed blocks become holes: a smaller image
+  sync -f "$WORK/root"
   umount "$WORK/root"
-  e2fsck -f -y "$part" >/dev/null 2>&1 || [ $? -le 1 ] || die "e2fsck found errors on the new disk"
+  # e2fsck: 0 clean, 1 fixed; 8 is an operational error (the device still busy
+  # a moment after umount): try again, briefly; anything else is a broken disk
+  local fsck_rc
+  for _ in 1 2 3; do
+    fsck_rc=0
+    e2fsck -f -y "$part" >"$WORK/e2fsck.log" 2>&1 || fsck_rc=$?
+    [ "$fsck_rc" -eq 8 ] || break
+    log "e2fsck: exit 8 ($(grep -m1 -v '^e2fsck [0-9]' "$WORK/e2fsck.log")), again in 2 s"
+    sync
+    sleep 2
+  done
+  [ "$fsck_rc" -le 1 ] || { cat "$WORK/e2fsck.log" >&2; die "e2fsck: exit $fsck_rc on the new disk"; }
   losetup -d "$LOOP"
   LOOP=""
 
@@ -276,31 +307,40 @@ EOF
   log "box built: $BOX ($(du -h "$BOX" | cut -f1))"
 }
 
-# libvirt's copies of earlier versions of the box that no VM's disk is backed by
+# libvirt's copies of earlier versions of the box (vagrant-libvirt uploads a box
+# to the pool once, as <name>_vagrant_box_image_0_<mtime of box.img>_box.img)
+# that no VM's disk is backed by.  The copy of the current box stays.
 prune_pool_volumes() {
   timeout 10 virsh -q -c qemu:///system version >/dev/null 2>&1 || return 0
-  local prefix="${BOX_NAME//\//-VAGRANTSLASH-}_vagrant_box_image_" vols used v p
-  vols="$(virsh -q -c qemu:///system vol-list default 2>/dev/null | awk '{print $1" "$2}')" || return 0
+  local prefix="${BOX_NAME//\//-VAGRANTSLASH-}_vagrant_box_image_" vols used current="" v p
+  [ -r "$INSTALLED_IMG" ] && current="${prefix}0_$(stat -c %Y "$INSTALLED_IMG")_box.img"
+  vols="$(virsh -q -c qemu:///system vol-list default 2>/dev/null | awk 'NF >= 2 {print $1" "$2}')"
+  [ -n "$vols" ] || return 0
   used="$(while read -r v p; do
-    [ -n "$p" ] && qemu-img info -U --output=json "$p" 2>/dev/null |
+    qemu-img info -U --output=json "$p" 2>/dev/null |
       sed -n 's/.*"backing-filename": "\(.*\)".*/\1/p'
-  done <<<"$vols")"
+  done <<<"$vols")" || true
   while read -r v p; do
     case "$v" in "$prefix"*) ;; *) continue ;; esac
+    [ "$v" != "$current" ] || continue
     if ! grep -qF "$p" <<<"$used"; then
       virsh -q -c qemu:///system vol-delete --pool default "$v" >/dev/null &&
         log "deleted libvirt's copy of an earlier box: $v"
     fi
   done <<<"$vols"
+  return 0
 }
 
+BUILT=0
 if [ -s "$BOX" ] && [ "${1:-}" != --force ]; then
   log "box $KEY is current: $BOX (nothing to build)"
 else
   build
+  BUILT=1
 fi
 
-if [ -r "$INSTALLED_INFO" ] && grep -q "\"mmmesh_box_key\": \"$KEY\"" "$INSTALLED_INFO"; then
+if [ "$BUILT" = 0 ] && [ -r "$INSTALLED_INFO" ] &&
+  grep -q "\"mmmesh_box_key\": \"$KEY\"" "$INSTALLED_INFO"; then
   log "vagrant has $BOX_NAME = box $KEY already"
 else
   log "vagrant box add --force $BOX_NAME"

@@ -10,6 +10,7 @@
 #                    (eval "$(vagrant/box/host.sh up)").  The same word is written
 #                    to $CACHE/libvirt-driver, which the Vagrantfile reads when the
 #                    variable is not set.
+#                    It also starts the VMs' NTP server (ntp_server.py: the host's clock).
 #   host.sh down     stop the daemons this script started (refused while a domain
 #                    runs; --force destroys the running domains first) and the
 #                    libvirt networks' dnsmasq with them
@@ -32,6 +33,7 @@
 # libvirt's versions: a changed host probes again.
 set -euo pipefail
 
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CACHE="${MMMESH_VM_CACHE:-/var/cache/mmmesh-vm}"
 RUN=/run/mmmesh-vm # what this script started (gone at reboot, as the daemons are)
 URI=qemu:///system
@@ -64,6 +66,20 @@ install_packages() {
     "${missing[@]}" >/dev/null
 }
 
+# without_fds CMD...: CMD with none of this shell's open files beyond stdin, stdout
+# and stderr.  A daemon inherits every descriptor: started under `flock FILE ...`
+# (`flock /tmp/mmmesh-vm.lock vagrant/prepare.sh`, as VM work is serialised here) it kept
+# the lock for as long as it ran.
+# Run it in a subshell of its own, `(without_fds ...)`: it replaces the shell it runs in.
+without_fds() {
+  local fd
+  for fd in /proc/"$BASHPID"/fd/*; do
+    fd="${fd##*/}"
+    if [ "$fd" -gt 2 ]; then eval "exec $fd>&-"; fi
+  done
+  exec "$@"
+}
+
 # start_daemon NAME: start virtlogd/libvirtd unless it runs; note it in $RUN
 start_daemon() {
   local name="$1" pidfile="/run/$1.pid" pid=""
@@ -77,7 +93,7 @@ start_daemon() {
     fi
     return 0
   fi
-  "/usr/sbin/$name" -d
+  (without_fds "/usr/sbin/$name" -d)
   local deadline=$((SECONDS + 30))
   until [ -r "$pidfile" ] && pid_alive "$(cat "$pidfile")" "$name"; do
     [ "$SECONDS" -lt "$deadline" ] || die "$name did not start within 30 s"
@@ -227,10 +243,45 @@ probe() { # [force]: print kvm or qemu
 kvm_device_access() {
   [ -c /dev/kvm ] || return 0
   getent group kvm >/dev/null || return 0
-  if [ "$(stat -c %G /dev/kvm)" != kvm ] || [ $(( 0$(stat -c %a /dev/kvm) & 060 )) -ne 060 ]; then
+  if [ "$(stat -c %G /dev/kvm)" != kvm ] || (((8#$(stat -c %a /dev/kvm) & 8#060) != 8#060)); then
+    [ -f "$RUN/kvm-device" ] || stat -c '%G %a' /dev/kvm >"$RUN/kvm-device"
     chgrp kvm /dev/kvm && chmod 0660 /dev/kvm
-    log "/dev/kvm: group kvm, mode 0660 (as udev's rule would set it)"
+    log "/dev/kvm: group kvm, mode 0660 (as udev's rule would set it; host.sh down restores it)"
   fi
+}
+
+restore_kvm_device() {
+  [ -f "$RUN/kvm-device" ] || return 0
+  local group mode
+  read -r group mode <"$RUN/kvm-device"
+  chgrp "$group" /dev/kvm && chmod "$mode" /dev/kvm && log "/dev/kvm: group $group, mode $mode again"
+  rm -f "$RUN/kvm-device"
+}
+
+# The VMs' NTP server (ntp_server.py: the host's clock over SNTP, to the testbed's
+# networks only): nothing else serves time to them here, and an emulated guest's
+# clock drifts.  Not started when something listens on UDP 123 already.
+start_ntp() {
+  local pid
+  pid="$(cat "$RUN/started-ntp" 2>/dev/null || true)"
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then return 0; fi
+  if ss -Hlun 2>/dev/null | awk '{print $4}' | grep -qE '(^|:)123$'; then
+    log "UDP 123 is taken: the VMs use that NTP server"
+    return 0
+  fi
+  (without_fds setsid /usr/bin/python3 "$HERE/ntp_server.py") </dev/null >"$RUN/ntp.log" 2>&1 &
+  echo "$!" >"$RUN/started-ntp"
+  log "started the VMs' NTP server (pid $!, $HERE/ntp_server.py)"
+}
+
+stop_ntp() {
+  local pid
+  pid="$(cat "$RUN/started-ntp" 2>/dev/null || true)"
+  [ -n "$pid" ] || return 0
+  if kill -0 "$pid" 2>/dev/null && grep -q ntp_server.py "/proc/$pid/cmdline" 2>/dev/null; then
+    kill -TERM "$pid" && log "stopped the VMs' NTP server (pid $pid)"
+  fi
+  rm -f "$RUN/started-ntp"
 }
 
 up() {
@@ -249,6 +300,7 @@ up() {
   case "$driver" in kvm | qemu) ;; *) die "MMMESH_LIBVIRT_DRIVER must be kvm or qemu, not '$driver'" ;; esac
   echo "$driver" >"$CACHE/libvirt-driver"
   log "libvirt domain type: $driver ($CACHE/libvirt-driver)"
+  start_ntp
   echo "export MMMESH_LIBVIRT_DRIVER=$driver"
 }
 
@@ -273,6 +325,8 @@ down() {
   fi
   stop_daemon libvirtd
   stop_daemon virtlogd
+  stop_ntp
+  restore_kvm_device
 }
 
 status() {
@@ -290,6 +344,8 @@ status() {
     echo "networks:"; virsh_ net-list --all
   fi
   printf 'domain type: %s\n' "$(cat "$CACHE/libvirt-driver" 2>/dev/null || echo 'not probed yet')"
+  pid="$(cat "$RUN/started-ntp" 2>/dev/null || true)"
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then echo "ntp       running (pid $pid)"; fi
 }
 
 case "${1:-up}" in

@@ -12,8 +12,8 @@ tests/system/dataplane/test_egress_fq.py.
 
 Runs where the host can boot the VM (root, QEMU, virtiofsd, /dev/net/tun);
 elsewhere it skips with one line.  With CI set, a host that has QEMU but
-cannot boot the VM fails.  MMMESH_VM_TIER=0 skips it on purpose (as the VM
-tier, tests/system/vm/)."""
+cannot boot the VM fails.  MMMESH_VM_TIER=0 skips it on purpose (a
+developer's quick run; CI does not set it)."""
 
 from __future__ import annotations
 

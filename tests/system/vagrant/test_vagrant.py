@@ -84,6 +84,8 @@ def test_vagrantfile_validates(tmp_path: Path) -> None:
         assert r.returncode == 0 and "Syntax OK" in r.stdout, r.stdout + r.stderr
         return
     # vagrant's state (.vagrant/, ~/.vagrant.d) goes to the test's directory
+    # a testbed brought up by hand has these; validate must not make them
+    made_before = {p: (VAGRANT / p).exists() for p in (".vagrant", "pki")}
     env = {**os.environ, "VAGRANT_DOTFILE_PATH": str(tmp_path / "dot"),
            "VAGRANT_HOME": str(tmp_path / "home"), "VAGRANT_CHECKPOINT_DISABLE": "1"}
     plugins = run([vagrant, "plugin", "list"], env=env)
@@ -100,19 +102,23 @@ def test_vagrantfile_validates(tmp_path: Path) -> None:
     assert r.returncode != 0 and "MMMESH_STORE must be gossip or etcd" in r.stdout + r.stderr
     # negative control: validate really reads the libvirt block
     bad = tmp_path / "bad"
-    shutil.copytree(VAGRANT, bad, ignore=shutil.ignore_patterns("pki", ".vagrant"))
+    shutil.copytree(VAGRANT, bad, ignore=shutil.ignore_patterns("pki", ".vagrant", ".artifacts"))
     text = (bad / "Vagrantfile").read_text()
     assert "lv.memory = MEMORY" in text
     (bad / "Vagrantfile").write_text(text.replace("lv.memory = MEMORY", "lv.memroy = MEMORY"))
     r = run([vagrant, "validate"], cwd=bad, env=env)
     assert r.returncode != 0 and "memroy" in r.stdout + r.stderr, r.stdout + r.stderr
-    assert not (VAGRANT / ".vagrant").exists() and not (VAGRANT / "pki").exists()
+    assert {p: (VAGRANT / p).exists() for p in made_before} == made_before
 
 
 def test_scripts_are_shellcheck_clean() -> None:
     shellcheck = shutil.which("shellcheck")
     assert shellcheck, "shellcheck is missing (scripts/bootstrap.sh installs it)"
-    r = run([shellcheck, str(PROVISION), str(VAGRANT / "pipeline.sh")])
+    r = run([shellcheck, str(PROVISION), str(VAGRANT / "pipeline.sh"),
+             str(VAGRANT / "artifacts.sh"), str(VAGRANT / "prepare.sh"),
+             str(VAGRANT / "box" / "build.sh"),
+             str(VAGRANT / "box" / "node.sh"), str(VAGRANT / "box" / "host.sh"),
+             str(ROOT / "deploy" / "install-node.sh")])
     assert r.returncode == 0, r.stdout + r.stderr
 
 
