@@ -247,10 +247,11 @@ class PipelineMesh:
         return self.request(node, "GET", "/v1/cluster/sla",  # type: ignore[no-any-return]
                             params={"nodes": "true"})
 
-    def wait_global_view(self, node: str, timeout: float = 25.0) -> tuple[dict[str, Any], bool]:
+    def wait_global_view(self, node: str, timeout: float = 60.0) -> tuple[dict[str, Any], bool]:
         """``node``'s global view once it holds what every node's board holds
         (each stage window with the same frames) with every node's sketches
-        (no row partial); after ``timeout``, the view as it is.  Returns the
+        (no row partial) and counts every one of those nodes as reporting;
+        after ``timeout``, the view as it is.  Returns the
         view and whether it was complete."""
         want = self.local_windows()
         last: dict[str, Any] = {}
@@ -261,8 +262,12 @@ class PipelineMesh:
             got = {(b["node"], r["stage"], r["sla_class"], r["modality"]): b["frames"]
                    for r in last["stages"] for b in r.get("breakdown") or []}
             rows = last["stages"] + last["classes"]
+            # the census (who reports) is a record of its own, aggregated beside the
+            # classes' (docs/cluster.md "Global SLA view"): it may come a round later
+            reporting = len({k[0] for k in want})
             return all(got.get(k) == v for k, v in want.items()) and \
-                not any(r.get("partial") for r in rows)
+                not any(r.get("partial") for r in rows) and \
+                int(last.get("nodes_reporting") or 0) >= reporting
 
         try:
             self._wait("the global SLA view", complete, timeout)

@@ -145,7 +145,7 @@ def test_the_demo_as_a_mesh_shows_the_global_view(run_dir: Path,
     took = time.monotonic() - t0
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert took < 60, took
+    assert took < 300, took  # a deadline: the run is ~30 s on a quiet host
     res: dict[str, Any] = json.loads((run_dir / "out" / "pipeline.json").read_text())
 
     # the comparison is intact: both phases, every modality measured
