@@ -192,16 +192,18 @@ def case_a_dead_node_leaves_every_view(mesh: Mesh) -> None:
     nodes[2].kill()
     deadline = time.monotonic() + 60
     left: dict[str, Any] = {}
+    live = {nodes[0].name, nodes[1].name}
     while time.monotonic() < deadline and len(left) < 2:
         for i, node in enumerate(nodes[:2]):
             report(node, i)
             row = voice(node)
-            if row and {b["node"] for b in row["breakdown"]} == {nodes[0].name, nodes[1].name}:
+            # the breakdown is asked of the nodes on demand, the totals come with
+            # the class's aggregated record: both must have let the dead node go
+            # (the record may do so a round after the breakdown)
+            if row and {b["node"] for b in row["breakdown"]} == live and row["frames"] == 900:
                 left[node.name] = row
         time.sleep(1)
     assert len(left) == 2, {n.name: voice(n) for n in nodes[:2]}
-    for row in left.values():
-        assert row["frames"] == 900
 
 
 RNG = np.random.default_rng(11)

@@ -297,7 +297,8 @@ def _reports(doc: dict[str, Any]) -> dict[str, dict[str, int]]:
 
 def _wait_view(nodes: list[str], timeout: float) -> None:
     """Until this node's global SLA view has every node that sent windows, each
-    with its sketches (no partial row); after ``timeout``, says so."""
+    with its sketches (no partial row), and counts them as reporting; after
+    ``timeout``, says so."""
     if not nodes:
         log("no process sent SLA windows: the global SLA view stays empty")
         return
@@ -309,7 +310,10 @@ def _wait_view(nodes: list[str], timeout: float) -> None:
             view = qosd_get(sock, "/v1/cluster/sla?nodes=true")
             have = {b["node"] for r in view.get("stages") or [] for b in r.get("breakdown") or []}
             rows = (view.get("stages") or []) + (view.get("classes") or [])
-            if set(nodes) <= have and not any(r.get("partial") for r in rows):
+            # the census (who reports) is aggregated as a record of its own and may
+            # come a round after the classes' (docs/cluster.md "Global SLA view")
+            counted = int(view.get("nodes_reporting") or 0) >= len(nodes)
+            if set(nodes) <= have and counted and not any(r.get("partial") for r in rows):
                 log(f"global SLA view complete after {time.monotonic() - t0:.1f} s "
                     f"({', '.join(nodes)})")
                 return
